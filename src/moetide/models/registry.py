@@ -129,7 +129,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
             expert_intermediate_attr="intermediate_size",
             expert_key_pattern=_pattern("block_sparse_moe", _W1_W3_W2),
             proj_names=_W1_W3_W2,
-            checkpoint_renames=((".block_sparse_moe.", ".mlp."),),
+            checkpoint_renames=((".block_sparse_moe.gate.", ".mlp.router."), (".block_sparse_moe.", ".mlp.")),
         ),
         FamilyAdapter(
             model_type="deepseek_v2",

@@ -4,6 +4,10 @@ The forward pass *publishes* what it observes (one `StepObservation` per iterati
 layer) and never waits on a policy. Policies turn observations into *requests* (prefetch, promote,
 demote) that they hand to an `ExpertSink`; the residency core (or the trace simulator) executes them.
 
+Layers are numbered by MoE layer ordinal 0..L-1 (the k-th layer whose MLP is a sparse MoE block); for
+every family whose layers are all MoE this is the model's layer index. DeepSeek-style dense first
+layers are skipped and have no ordinal.
+
 Shapes (per iteration = one forward step, prefill or one decode step, of a batch of T tokens):
     embedding      (H,)   float32  mean over the step's tokens of the embedding-layer output
     gate_probs[l]  (J,)   float32  mean over the step's tokens of softmax(router logits) at layer l
@@ -16,6 +20,7 @@ work; with one token per step (batch-1 decode) the two are the same thing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,13 +28,25 @@ import torch
 
 
 class ExpertSink(Protocol):
-    """Where policies send their decisions. Implementations must be thread-safe and non-blocking."""
+    """Where policies send their decisions. Implementations must be thread-safe and non-blocking.
 
-    def prefetch(self, layer: int, experts: list[int], *, iteration: int) -> None:
-        """Ask for `experts` of `layer` to be resident for iteration `iteration` (best effort)."""
+    `capacity_experts`: how many experts (hi precision) the device cache holds, all layers together;
+    policies that prefetch "up to the cache's share" (MoE-Infinity) read it.
+    """
+
+    capacity_experts: int
+
+    def prefetch(
+        self, layer: int, experts: list[int], *, iteration: int, priorities: Sequence[float] | None = None
+    ) -> None:
+        """Ask for `experts` of `layer` to be resident for iteration `iteration` (best effort).
+
+        `experts` is in priority order. `priorities` (optional, aligned with `experts`, in [0, 1]) is
+        the policy's predicted probability of each expert; eviction rules that rank by it use it.
+        """
 
     def protect(self, layer: int, experts: list[int], *, iteration: int) -> None:
-        """Experts predicted for `iteration`: eviction should spare them while it runs."""
+        """Experts predicted for `iteration`: eviction should spare them until `layer` has run."""
 
     def set_precision(self, layer: int, expert: int, precision: str) -> None:
         """Ask for (layer, expert) to live in `precision` ("hi" or "lo"); deferred if memory is tight."""
@@ -50,18 +67,74 @@ class ExpertPolicy(Protocol):
     """A policy observes iterations and issues requests to its sink.
 
     Calls come from the forward thread in this order per iteration:
-    `begin_iteration` (after the embedding layer), `observe_layer` for each MoE layer in order,
+    `begin_iteration` (after the embedding layer), `observe_layer` for each MoE layer in order
+    (each followed, for policies with `speculative_distances`, by `observe_speculative` per distance),
     `end_iteration`. None of them may block on search or I/O.
+
+    `request_ids`: the requests whose tokens are in this step (empty when the caller does not know);
+    request-level policies (MoE-Infinity) use it to tell requests apart.
+
+    `speculative_distances`: distances d for which the policy wants, at layer l, the top-k that layer
+    l+d's router would pick from layer l's router input (Mixtral-Offloading's speculative prefetch).
+    The forward pass computes them by calling router l+d on the hidden state it already has, and
+    delivers them through `observe_speculative`; `()` (most policies) means never.
     """
 
     name: str
+    speculative_distances: tuple[int, ...]
 
     def attach(self, sink: ExpertSink, num_layers: int, num_experts: int, top_k: int) -> None: ...
 
-    def begin_iteration(self, iteration: int, embedding: torch.Tensor, num_tokens: int) -> None: ...
+    def begin_iteration(
+        self, iteration: int, embedding: torch.Tensor, num_tokens: int, request_ids: Sequence[int] = ()
+    ) -> None: ...
 
     def observe_layer(self, iteration: int, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor) -> None: ...
+
+    def observe_speculative(self, iteration: int, layer: int, distance: int, topk_ids: torch.Tensor) -> None: ...
 
     def end_iteration(self, iteration: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+class PolicyBase:
+    """No-op implementation of `ExpertPolicy`: subclasses override what they use.
+
+    `attach` stores the sink and the model's geometry as `sink`, `num_layers`, `num_experts`, `top_k`.
+    """
+
+    name = "base"
+    speculative_distances: tuple[int, ...] = ()
+
+    sink: ExpertSink | None = None
+    num_layers = 0
+    num_experts = 0
+    top_k = 0
+
+    def attach(self, sink: ExpertSink, num_layers: int, num_experts: int, top_k: int) -> None:
+        self.sink = sink
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.top_k = top_k
+
+    def begin_iteration(
+        self, iteration: int, embedding: torch.Tensor, num_tokens: int, request_ids: Sequence[int] = ()
+    ) -> None:
+        pass
+
+    def observe_layer(self, iteration: int, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        pass
+
+    def observe_speculative(self, iteration: int, layer: int, distance: int, topk_ids: torch.Tensor) -> None:
+        pass
+
+    def end_iteration(self, iteration: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        """Counters for reports (JSON-able)."""
+        return {}

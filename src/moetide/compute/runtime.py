@@ -1,0 +1,98 @@
+"""The managed experts module and the runtime it shares across layers.
+
+`ManagedExperts` replaces `block.experts` on each MoE block instance. transformers' own block still
+runs the router and the shared experts; moetide computes the routed experts through four stages:
+
+    route            distinct expert ids of the step                     (host sync, counted)
+    ensure resident  residency.acquire(layer, ids) -> resolved versions (stalls counted there)
+    compute          each expert on its tokens, hi or lo version
+    combine          weighted sum into (T, H), same order as transformers' eager experts
+
+Observation for policies comes from forward hooks (no class patching): the embedding layer's output
+starts an iteration, each router's logits are published for its layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..policies.base import ExpertPolicy
+from ..residency.metrics import ExpertMetrics
+from .expert_compute import ActFn, combine_experts, distinct_experts, expert_mlp
+
+
+class ExpertRuntime:
+    """State shared by all managed experts modules of one model: residency, metrics, policy hooks."""
+
+    def __init__(self, residency, metrics: ExpertMetrics, act_fn: ActFn, num_experts: int, top_k: int):
+        self.residency = residency
+        self.metrics = metrics
+        self.act_fn = act_fn
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.policies: list[ExpertPolicy] = []
+        self.iteration = 0
+        self._pending_logits: dict[int, torch.Tensor] = {}
+
+    # -- observation (called from hooks on the forward thread; never blocks) --------------------------
+    def on_embedding(self, embeds: torch.Tensor) -> None:
+        """Embedding-layer output `(B, S, H)` starts a new iteration."""
+        self.iteration += 1
+        self.residency.begin_iteration(self.iteration)
+        if self.policies:
+            h = embeds.detach().reshape(-1, embeds.shape[-1])
+            pooled = h.float().mean(dim=0).cpu()
+            for p in self.policies:
+                p.begin_iteration(self.iteration, pooled, h.shape[0])
+
+    def on_router(self, layer: int, router_logits: torch.Tensor) -> None:
+        if self.policies:
+            self._pending_logits[layer] = router_logits.detach()
+
+    def _publish_layer(self, layer: int, top_k_index: torch.Tensor) -> None:
+        logits = self._pending_logits.pop(layer, None)
+        if logits is None or not self.policies:
+            return
+        probs = torch.softmax(logits.float(), dim=-1).mean(dim=0).cpu()
+        ids = top_k_index.detach().cpu()
+        for p in self.policies:
+            p.observe_layer(self.iteration, layer, probs, ids)
+
+    # -- the four stages ---------------------------------------------------------------------------------
+    def run_layer(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Routed experts of one MoE layer: `hidden (T, H)` -> `(T, H)`."""
+        experts = distinct_experts(top_k_index)  # NOTE: host sync (counted)
+        self.metrics.host_syncs += 1
+        self._publish_layer(layer, top_k_index)
+        resolved = self.residency.acquire(layer, experts, hidden.device)
+        try:
+            act = self.act_fn
+
+            def run(e: int, x: torch.Tensor) -> torch.Tensor:
+                version = resolved[e]
+                if version.precision == "hi":
+                    return expert_mlp(x, version.views["gate_up"], version.views["down"], act)
+                return version.forward(x, act)
+
+            return combine_experts(hidden, top_k_index, top_k_weights, run, experts)
+        finally:
+            self.residency.release(layer, experts)
+
+
+class ManagedExperts(nn.Module):
+    """Drop-in for transformers' `<Family>Experts`: `forward(hidden (T,H), top_k_index (T,k),
+    top_k_weights (T,k)) -> (T,H)`. Holds no weights; the runtime's residency core provides them."""
+
+    def __init__(self, layer: int, runtime: ExpertRuntime):
+        super().__init__()
+        self.layer = layer
+        self.runtime = runtime
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.runtime.run_layer(self.layer, hidden_states, top_k_index, top_k_weights)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, experts={self.runtime.num_experts}, top_k={self.runtime.top_k}"

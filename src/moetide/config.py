@@ -1,0 +1,119 @@
+"""Dataclass configs, validated once in `__post_init__`: the one source of truth for every knob.
+
+The CLI and the Python API map their arguments onto these; errors say what to change.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+POLICIES = (
+    "combined",
+    "finemoe",
+    "dynaexq",
+    "on-demand",
+    "lru",
+    "moe-infinity",
+    "static-int4",
+    "static-int2",
+    "no-offload",
+)
+PRECISIONS = ("hi", "int4", "int2")
+
+
+def parse_bytes(text: str | int | float | None) -> int | None:
+    """`"6GiB"` -> 6442450944; `"512MB"` -> 512000000; ints pass through; None stays None."""
+    if text is None:
+        return None
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise ConfigError(f"memory size must be positive, got {text}")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read memory size {text!r}; write it like 6GiB, 512MiB or 8GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to load a model and serve it under a memory budget.
+
+    Attributes:
+        model: checkpoint directory (config.json, tokenizer files, *.safetensors).
+        device: "cuda", "cuda:N", "cpu" or None for CUDA when available.
+        dtype: compute dtype ("auto" = checkpoint dtype on CUDA, float32 on CPU).
+        gpu_memory_bytes: hard cap on what moetide allocates on the device; None = no cap.
+        policy: expert residency policy (see POLICIES).
+        lo_precision: the low precision kept for "lo" versions ("int4" or "int2").
+        on_miss: "stall" (load the hi version) or "lo" (run a resident lo version instead).
+        prefetch_distance: FineMoE's d, in layers.
+        max_num_seqs: sequences decoded together at most.
+        max_model_len: context length cap (prompt + output), in tokens; None = model's limit.
+        kv_cache_tokens: tokens of KV cache reserved inside the budget; None = derived.
+        seed: seed for sampling when a request gives none.
+    """
+
+    model: str
+    device: str | None = None
+    dtype: str = "auto"
+    gpu_memory_bytes: int | None = None
+    policy: str = "on-demand"
+    lo_precision: str = "int4"
+    on_miss: str = "stall"
+    prefetch_distance: int = 2
+    max_num_seqs: int = 32
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose one of: {', '.join(POLICIES)}")
+        if self.lo_precision not in ("int4", "int2"):
+            raise ConfigError(f"lo precision must be int4 or int2, got {self.lo_precision!r}")
+        if self.on_miss not in ("stall", "lo"):
+            raise ConfigError(f"--on-miss must be 'stall' or 'lo', got {self.on_miss!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.prefetch_distance < 1:
+            raise ConfigError(f"prefetch distance must be >= 1 layer, got {self.prefetch_distance}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
+            raise ConfigError("--gpu-memory must be a positive size such as 6GiB")
+        if not str(self.model):
+            raise ConfigError("a model path is required")
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model).expanduser()

@@ -1,0 +1,192 @@
+"""Build transformers' own model without weights, swap in managed experts, load the rest.
+
+Steps (peak host memory ≈ the expert store + one tensor; never the model twice):
+  1. `inspect_checkpoint`: config, family adapter, shard headers checked.
+  2. Build the model with parameters on the meta device (buffers such as rotary tables are real).
+  3. Replace `mlp.experts` on every MoE block instance with a `ManagedExperts` (no class patching).
+  4. Stream every tensor from the shards one at a time: routed-expert tensors into the host expert
+     store, everything else onto the compute device in the compute dtype.
+  5. Tie weights, check nothing is left on meta, hook the embedding layer and routers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..compute.runtime import ExpertRuntime, ManagedExperts
+from ..errors import CheckpointError
+from ..residency.metrics import ExpertMetrics
+from ..store.host_store import ExpertShape, HostExpertStore
+from .checkpoint import CheckpointInfo, inspect_checkpoint
+from .registry import FamilyAdapter
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A ready model: transformers' module tree with managed experts, plus moetide's runtime."""
+
+    model: nn.Module
+    info: CheckpointInfo
+    store: HostExpertStore
+    runtime: ExpertRuntime
+    moe_layers: list[int]  # decoder-layer index of each MoE layer, in order
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self):
+        return self.info.config
+
+    @property
+    def adapter(self) -> FamilyAdapter:
+        return self.info.adapter
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """CUDA when available, else CPU; an explicit choice wins (and must exist)."""
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("--device cuda was asked for but CUDA is not available on this machine; use --device cpu")
+    return dev
+
+
+def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    """"auto": the checkpoint's dtype on CUDA, float32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def moe_blocks(model: nn.Module, adapter: FamilyAdapter) -> list[tuple[int, nn.Module]]:
+    """`(decoder layer index, MoE block)` for every layer whose `mlp` has the family's router."""
+    blocks = []
+    for idx, layer in enumerate(model.model.layers):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and hasattr(mlp, adapter.router_attr) and hasattr(mlp, "experts"):
+            blocks.append((idx, mlp))
+    return blocks
+
+
+def build_empty_model(config, dtype: torch.dtype) -> nn.Module:
+    """transformers' model for `config` with parameters on meta (buffers real, on the CPU)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _assign_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, param_name = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        raise CheckpointError(f"checkpoint tensor {name!r} matches no module of the model") from None
+    old = module._parameters.get(param_name) if param_name in module._parameters else module._buffers.get(param_name)
+    if old is None and param_name not in module._parameters and param_name not in module._buffers:
+        raise CheckpointError(f"checkpoint tensor {name!r} matches no parameter of the model")
+    if old is not None and tuple(old.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(old.shape)}")
+    if param_name in module._parameters:
+        module._parameters[param_name] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[param_name] = tensor
+
+
+def load_model(
+    path,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str = "auto",
+    residency_factory=None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a local HF MoE checkpoint through transformers' modeling code with managed experts.
+
+    `residency_factory(store, metrics, device) -> residency` chooses how experts reach the device;
+    the default fetches every needed expert on demand (`DirectResidency`).
+    """
+    info = inspect_checkpoint(path)
+    config, adapter = info.config, info.adapter
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    compute_dtype = resolve_dtype(dtype, config, dev)
+
+    model = build_empty_model(config, compute_dtype)
+    blocks = moe_blocks(model, adapter)
+    if not blocks:
+        raise CheckpointError(f"{info.path}: the model has no MoE blocks with a {adapter.router_attr!r} router")
+    layer_to_moe = {layer_idx: i for i, (layer_idx, _) in enumerate(blocks)}
+    first_experts = blocks[0][1].experts
+    act_fn = first_experts.act_fn
+    shape = ExpertShape(
+        hidden=config.hidden_size, intermediate=adapter.expert_intermediate(config), dtype=compute_dtype
+    )
+    num_experts = adapter.num_experts(config)
+    store = HostExpertStore(len(blocks), num_experts, shape, pin_memory=dev.type == "cuda")
+    metrics = ExpertMetrics(len(blocks))
+    if residency_factory is None:
+        from ..residency.direct import DirectResidency
+
+        residency = DirectResidency(store, metrics)
+    else:
+        residency = residency_factory(store, metrics, dev)
+    runtime = ExpertRuntime(residency, metrics, act_fn, num_experts, adapter.top_k(config))
+    for i, (_, block) in enumerate(blocks):
+        block.experts = ManagedExperts(i, runtime)
+
+    total = sum(len(s.tensors) for s in info.shards)
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    for shard in info.shards:
+        try:
+            with safe_open(str(shard.path), framework="pt", device="cpu") as f:
+                for name in shard.tensors:
+                    tensor = f.get_tensor(name)
+                    key = adapter.match_expert_key(name)
+                    if key is not None:
+                        layer_idx, expert, role = key
+                        if layer_idx not in layer_to_moe:
+                            raise CheckpointError(f"expert tensor {name!r} belongs to a layer without experts")
+                        store.put_projection(layer_to_moe[layer_idx], expert, role, tensor)
+                    else:
+                        target = tensor.to(dev, dtype=compute_dtype) if tensor.is_floating_point() else tensor.to(dev)
+                        _assign_parameter(model, adapter.model_key(name), target)
+                    bar.update(1)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises SafetensorError and others on corrupt data
+            raise CheckpointError(f"{shard.path}: corrupt safetensors shard ({type(e).__name__}: {e})") from None
+    bar.close()
+    store.check_complete()
+
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise CheckpointError(f"{info.path}: checkpoint is missing tensor {missing[0]!r}")
+    model.to(dev)  # buffers (rotary tables) follow the parameters
+    _install_hooks(model, blocks, adapter, runtime)
+    return LoadedModel(model, info, store, runtime, [i for i, _ in blocks], dev, compute_dtype)
+
+
+def _install_hooks(model: nn.Module, blocks, adapter: FamilyAdapter, runtime: ExpertRuntime) -> None:
+    """Forward hooks (on instances) that feed the policies: embeddings start an iteration, each router
+    publishes its logits."""
+    model.get_input_embeddings().register_forward_hook(lambda _m, _i, out: runtime.on_embedding(out))
+    for i, (_, block) in enumerate(blocks):
+        router = getattr(block, adapter.router_attr)
+        router.register_forward_hook(lambda _m, _i, out, layer=i: runtime.on_router(layer, out[0]))

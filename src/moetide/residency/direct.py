@@ -1,0 +1,75 @@
+"""The simplest residency: every expert a step needs is read from the host store on demand.
+
+On a CUDA device each needed expert's hi buffer is copied host->device for the step and dropped
+after it (no cache): this is the foundation's reference behaviour and a correctness baseline. On the
+CPU, where host and device memory are the same, the store's buffers are used in place.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..store.host_store import HostExpertStore, hi_views
+from .metrics import ExpertMetrics
+
+
+@dataclass
+class ResolvedExpert:
+    """What a handle resolves to: a complete, usable version of one expert.
+
+    `views` holds typed tensors on the compute device: hi -> gate_up (2I, H), down (H, I);
+    lo -> packed tensors described by `meta`.
+    """
+
+    precision: str
+    views: dict[str, torch.Tensor]
+    meta: object = None
+    _dtype: torch.dtype | None = field(default=None, repr=False)
+
+    def forward(self, x: torch.Tensor, act_fn) -> torch.Tensor:
+        """Expert output `(t, H)` from a lo version (dequantize, then the same MLP)."""
+        from ..store import quant
+
+        return quant.expert_forward(x, self.views, self.meta, act_fn=act_fn)
+
+
+class DirectResidency:
+    """No cache: fetch every needed expert each step. Counts bytes and stall time."""
+
+    def __init__(self, store: HostExpertStore, metrics: ExpertMetrics):
+        self.store = store
+        self.metrics = metrics
+
+    def begin_iteration(self, iteration: int) -> None:
+        pass
+
+    def acquire(self, layer: int, experts: list[int], device: torch.device) -> dict[int, ResolvedExpert]:
+        counters = self.metrics.layers[layer]
+        counters.used += len(experts)
+        resolved = {}
+        start = time.perf_counter()
+        for e in experts:
+            buf = self.store.buffer(layer, e, "hi")
+            if buf.device != device:
+                buf = buf.to(device, non_blocking=True)
+                self.metrics.add_copy(buf.numel())
+                counters.misses += 1
+            else:
+                counters.hits += 1
+            resolved[e] = ResolvedExpert("hi", hi_views(buf, self.store.shape))
+        if device.type == "cuda" and counters.misses:
+            torch.cuda.current_stream(device).synchronize()  # the copies above are the stall
+        counters.stall_s += time.perf_counter() - start if device.type == "cuda" else 0.0
+        return resolved
+
+    def release(self, layer: int, experts: list[int]) -> None:
+        pass
+
+    def resident_counts(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,99 @@
+"""Counters of the residency core, per layer and per run. Plain integers/floats; no locks needed
+for the forward thread, a lock for counters the copy thread also touches."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerCounters:
+    used: int = 0  # expert uses (distinct experts per step, summed over steps)
+    hits: int = 0  # used experts already resident (in the wanted or an acceptable precision)
+    misses: int = 0  # used experts that had to be loaded on demand (a stall) or ran lo on a miss
+    lo_runs: int = 0  # uses computed from a lo version
+    stall_s: float = 0.0  # seconds the forward pass waited for on-demand loads
+
+
+@dataclass
+class ExpertMetrics:
+    """Everything the engine reports about expert residency. `snapshot()` gives a JSON-able dict."""
+
+    num_layers: int
+    layers: list[LayerCounters] = field(default_factory=list)
+    bytes_h2d: int = 0
+    copies: int = 0
+    prefetches_issued: int = 0
+    prefetches_used: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    evictions: int = 0
+    deferred: int = 0
+    host_syncs: int = 0
+    peak_device_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            self.layers = [LayerCounters() for _ in range(self.num_layers)]
+
+    def add_copy(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_h2d += nbytes
+            self.copies += 1
+
+    def bump(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    @property
+    def hits(self) -> int:
+        return sum(c.hits for c in self.layers)
+
+    @property
+    def misses(self) -> int:
+        return sum(c.misses for c in self.layers)
+
+    @property
+    def stall_s(self) -> float:
+        return sum(c.stall_s for c in self.layers)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def snapshot(self, resident: dict[str, int] | None = None) -> dict:
+        return {
+            "experts_used": sum(c.used for c in self.layers),
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(self.hit_rate, 4),
+            "lo_runs": sum(c.lo_runs for c in self.layers),
+            "stall_s": round(self.stall_s, 6),
+            "bytes_h2d": self.bytes_h2d,
+            "copies": self.copies,
+            "prefetches_issued": self.prefetches_issued,
+            "prefetches_used": self.prefetches_used,
+            "promotions": self.promotions,
+            "demotions": self.demotions,
+            "evictions": self.evictions,
+            "deferred": self.deferred,
+            "host_syncs": self.host_syncs,
+            "peak_device_bytes": self.peak_device_bytes,
+            "resident": resident or {},
+            "per_layer": [
+                {"used": c.used, "hits": c.hits, "misses": c.misses, "stall_s": round(c.stall_s, 6)}
+                for c in self.layers
+            ],
+        }
+
+    def reset(self) -> None:
+        with self._lock:
+            keep = self.peak_device_bytes
+            fresh = ExpertMetrics(self.num_layers)
+            for name in fresh.__dataclass_fields__:
+                if name != "_lock":
+                    setattr(self, name, getattr(fresh, name))
+            self.peak_device_bytes = keep

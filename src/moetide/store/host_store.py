@@ -1,0 +1,149 @@
+"""Host expert store: every routed expert's weights in host memory, one contiguous buffer each.
+
+Layout of the hi version of one expert (checkpoint dtype or the compute dtype):
+    gate_up (2I, H)  rows 0..I-1 = gate projection, rows I..2I-1 = up projection
+    down    (H, I)
+stored back to back in one flat byte buffer, so one host->device copy moves one expert.
+All experts of all MoE layers share one arena tensor `(L * E, bytes_per_expert)` of uint8,
+allocated (and, with CUDA, pinned) once, before any weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """Geometry of one routed expert: hidden size H, intermediate size I, storage dtype."""
+
+    hidden: int
+    intermediate: int
+    dtype: torch.dtype
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def hi_nbytes(self) -> int:
+        """Bytes of one expert's hi version: gate_up (2I*H) + down (H*I) elements."""
+        return 3 * self.intermediate * self.hidden * self.element_size
+
+
+def hi_views(buffer: torch.Tensor, shape: ExpertShape) -> dict[str, torch.Tensor]:
+    """Typed views `gate_up (2I, H)` and `down (H, I)` of a flat uint8 hi buffer (no copy)."""
+    typed = buffer.view(shape.dtype)
+    split = 2 * shape.intermediate * shape.hidden
+    return {
+        "gate_up": typed[:split].view(2 * shape.intermediate, shape.hidden),
+        "down": typed[split:].view(shape.hidden, shape.intermediate),
+    }
+
+
+class HostExpertStore:
+    """Versions of every (layer, expert) in host memory.
+
+    `versions[precision]` is one arena `(L*E, nbytes)` uint8 with one row per expert; `meta[precision]`
+    says how a row is laid out. The hi version is filled from the checkpoint; lo versions are made by
+    `add_precision` (quantizing hi) or loaded from a prepared cache.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, shape: ExpertShape, *, pin_memory: bool = False):
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.shape = shape
+        self.pin_memory = pin_memory
+        self.meta: dict[str, object] = {}
+        self.versions: dict[str, torch.Tensor] = {}
+        self._filled: torch.Tensor = torch.zeros(num_layers, num_experts, 3, dtype=torch.bool)
+        self._allocate("hi", None, shape.hi_nbytes)
+
+    # -- allocation ---------------------------------------------------------------------------------
+    def _allocate(self, precision: str, meta, nbytes: int) -> torch.Tensor:
+        rows = self.num_layers * self.num_experts
+        arena = torch.empty((rows, nbytes), dtype=torch.uint8, pin_memory=self.pin_memory)
+        self.meta[precision] = meta
+        self.versions[precision] = arena
+        return arena
+
+    def bytes_per_expert(self, precision: str = "hi") -> int:
+        return self.versions[precision].shape[1]
+
+    def nbytes(self, precision: str | None = None) -> int:
+        """Host bytes held by one precision, or by all of them."""
+        names = [precision] if precision else list(self.versions)
+        return sum(self.versions[p].numel() for p in names)
+
+    # -- access ---------------------------------------------------------------------------------------
+    def row(self, layer: int, expert: int) -> int:
+        return layer * self.num_experts + expert
+
+    def buffer(self, layer: int, expert: int, precision: str = "hi") -> torch.Tensor:
+        """The flat uint8 buffer `(nbytes,)` of one expert version (a view into the arena)."""
+        return self.versions[precision][self.row(layer, expert)]
+
+    def views(self, layer: int, expert: int, precision: str = "hi") -> dict[str, torch.Tensor]:
+        """Typed views of one expert version: hi -> `hi_views`; lo -> `quant.expert_views`."""
+        if precision == "hi":
+            return hi_views(self.buffer(layer, expert, "hi"), self.shape)
+        from . import quant
+
+        return quant.expert_views(self.buffer(layer, expert, precision), self.meta[precision])
+
+    # -- filling from a checkpoint ------------------------------------------------------------------
+    def put_projection(self, layer: int, expert: int, role: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (gate (I,H), up (I,H) or down (H,I)) into the hi version."""
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise CheckpointError(f"expert tensor for layer {layer} expert {expert} is outside the model's shape")
+        v = self.views(layer, expert, "hi")
+        inter = self.shape.intermediate
+        target = {"gate": v["gate_up"][:inter], "up": v["gate_up"][inter:], "down": v["down"]}[role]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"expert tensor {role} of layer {layer} expert {expert} has shape {tuple(tensor.shape)},"
+                f" expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        self._filled[layer, expert, ("gate", "up", "down").index(role)] = True
+
+    def check_complete(self) -> None:
+        """Raise CheckpointError naming the first expert tensor the checkpoint did not provide."""
+        missing = (~self._filled).nonzero()
+        if missing.numel():
+            layer, expert, role = missing[0].tolist()
+            raise CheckpointError(
+                f"checkpoint is missing the {('gate', 'up', 'down')[role]} tensor of layer {layer} expert {expert}"
+            )
+
+    # -- lo versions -----------------------------------------------------------------------------------
+    def add_precision(self, precision: str, progress=None) -> None:
+        """Quantize every hi expert into a new `precision` arena ("int4" or "int2")."""
+        from . import quant
+
+        arena = None
+        for layer in range(self.num_layers):
+            for expert in range(self.num_experts):
+                hi = self.views(layer, expert, "hi")
+                buf, meta = quant.pack_expert(hi["gate_up"], hi["down"], precision)
+                if arena is None:
+                    arena = self._allocate(precision, meta, buf.numel())
+                arena[self.row(layer, expert)].copy_(buf)
+                if progress is not None:
+                    progress.update(1)
+
+    def load_precision(self, precision: str, arena: torch.Tensor, meta) -> None:
+        """Adopt a prepared arena (from the on-disk cache) for `precision`."""
+        target = self._allocate(precision, meta, arena.shape[1])
+        if tuple(arena.shape) != tuple(target.shape):
+            raise CheckpointError(f"prepared {precision} cache has shape {tuple(arena.shape)}, expected {tuple(target.shape)}")
+        target.copy_(arena)
+
+    def drop_precision(self, precision: str) -> None:
+        """Free a version the user does not want kept in host memory."""
+        self.versions.pop(precision, None)
+        self.meta.pop(precision, None)

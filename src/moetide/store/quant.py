@@ -1,0 +1,531 @@
+"""Expert weight formats: group-wise low-bit quantization, bit packing, kernel-ready buffers.
+
+Everything here is a pure function of its inputs (no module state, no device assumptions): the same
+calls run on CPU and CUDA tensors.
+
+An expert (one FFN of an MoE layer) is two matrices in the checkpoint dtype (bf16 or fp32):
+    gate_up (2I, H)  rows 0..I-1 = gate projection, rows I..2I-1 = up projection
+    down    (H, I)
+and computes, for tokens x (T, H):  down(silu(x @ gate^T) * (x @ up^T)) -> (T, H).
+
+Quantization (one matrix W (N, K), groups of `group_size` consecutive elements along K, the input
+dimension, so that one group's scale multiplies one contiguous run of a row):
+    code   = clamp(round((W - offset) / scale), 0, 2**bits - 1)      uint8, one per element
+    W_hat  = code * scale + offset                                   (dequantized, one FMA)
+    scale, offset: (N, K // group_size) float16 (see PARAM_DTYPE for why float16)
+The offset form (offset = the group's minimum for round-to-nearest) rather than an integer zero-point
+keeps both parameters in the weights' own range, so a group far from zero cannot overflow float16.
+
+Packing: codes are packed along K, element k of a row in byte k // (8 // bits) at bit position
+(k % (8 // bits)) * bits (little end first). int4: two per byte, int2: four per byte.
+
+Kernel-ready buffer: one flat uint8 tensor per expert version, its layout described by `QuantMeta`.
+    hi  (precision "hi"): slots gate_up (2I, H) and down (H, I) in the checkpoint dtype.
+    lo  (precision "int4"/"int2"): slots
+        gate_up_packed (2I, H * bits // 8) uint8   gate_up_scale (2I, H // g_gu) f16
+        gate_up_offset (2I, H // g_gu) f16
+        down_packed    (H,  I * bits // 8) uint8   down_scale    (H,  I // g_dn) f16
+        down_offset    (H,  I // g_dn) f16
+Every slot starts at a multiple of ALIGN_BYTES, so typed views need no copy and kernels may use
+vector loads. A host->GPU move of a version is one memcpy of the whole buffer.
+
+Metadata schema (`QuantMeta`, frozen, hashable):
+    precision            "hi" | "int4" | "int2"
+    dtype                checkpoint dtype (torch.bfloat16 or torch.float32); dequantize target
+    intermediate_size    I
+    hidden_size          H
+    bits                 4 or 2 for lo; the dtype's bit width (16 / 32) for hi
+    group_size_gate_up   g_gu (0 for hi): group size along H for gate_up
+    group_size_down      g_dn (0 for hi): group size along I for down
+    quant_method         "rtn" | "hqq" | "" (hi)
+    slots                tuple of TensorSlot(name, dtype, shape, offset_bytes), in buffer order
+    nbytes               total buffer size, a multiple of ALIGN_BYTES
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+# Scales and offsets are stored in float16, not bfloat16: float16 keeps 11 significant bits against
+# bfloat16's 8, so a stored scale is off by at most 2^-11 (0.05 %) of itself instead of 2^-8 (0.4 %),
+# an error that would be shared by every element of the group. float16's narrower range is harmless
+# here: scales are range / (2^bits - 1) and offsets are group minima, both of the weights' magnitude
+# (expert weights are O(1e-2)); `quantize` refuses weights beyond float16's range rather than
+# silently overflowing. Measured effect: docs/quantization.md.
+PARAM_DTYPE = torch.float16
+
+# 64 bytes = one CPU cache line and a multiple of the 16-byte vector loads GPU kernels use; the cost is
+# under 64 bytes per slot, against megabytes per expert.
+ALIGN_BYTES = 64
+
+# Chosen by measurement (docs/quantization.md): int4 with group 128 and int2 with group 64 give the
+# best output error per stored byte among 32/64/128 (same choice as the DynaExq authors' code).
+DEFAULT_GROUP_SIZE = MappingProxyType({4: 128, 2: 64})
+
+LOW_BIT_PRECISIONS = MappingProxyType({"int4": 4, "int2": 2})
+HI_PRECISION_ALIASES = frozenset({"hi", "bf16"})
+QUANT_METHODS = frozenset({"rtn", "hqq"})
+
+# HQQ half-quadratic proximal solver on the offset only (Badri & Shaji, 2023): the paper's defaults
+# for the l_p shrink (p < 1 is robust to the few large errors) and its schedule beta <- kappa * beta.
+HQQ_ITERS = 20
+HQQ_LP_NORM = 0.7
+HQQ_BETA = 10.0
+HQQ_KAPPA = 1.01
+
+
+class QuantizedMatrix(NamedTuple):
+    """One matrix W (N, K) quantized group-wise along K.
+
+    codes   (N, K) uint8, values in [0, 2**bits - 1] (unpacked)
+    scale   (N, K // group_size) float16
+    offset  (N, K // group_size) float16
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    bits: int
+    group_size: int
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One typed tensor inside a flat expert buffer, at `offset_bytes` from the buffer's start."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class QuantMeta:
+    """Layout of one expert version's flat buffer; see the module docstring for the schema."""
+
+    precision: str
+    dtype: torch.dtype
+    intermediate_size: int
+    hidden_size: int
+    bits: int
+    group_size_gate_up: int
+    group_size_down: int
+    quant_method: str
+    slots: tuple[TensorSlot, ...]
+    nbytes: int
+
+    @property
+    def is_low_bit(self) -> bool:
+        return self.precision in LOW_BIT_PRECISIONS
+
+    def slot(self, name: str) -> TensorSlot:
+        for slot in self.slots:
+            if slot.name == name:
+                return slot
+        raise KeyError(f"no slot {name!r} in a {self.precision} expert layout")
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantize / dequantize one matrix
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize(
+    weight: torch.Tensor, bits: int, group_size: int | None = None, method: str = "rtn"
+) -> QuantizedMatrix:
+    """Asymmetric group-wise quantization of `weight` (N, K) along K.
+
+    weight: (N, K), any float dtype; K must be a multiple of `group_size`.
+    bits: 4 or 2. group_size: default DEFAULT_GROUP_SIZE[bits].
+    method: "rtn" (round to nearest, min/max range) or "hqq" (RTN, then the half-quadratic proximal
+    refinement of the offsets; per group it keeps whichever offset has the lower squared error, so it
+    is never worse than RTN in Frobenius norm).
+    Returns codes (N, K) uint8, scale and offset (N, K // group_size) float16.
+    """
+    group_size = _check_quant_args(weight, bits, group_size, method)
+    groups = _as_groups(weight.to(torch.float32), group_size)  # (N, G, g)
+    qmax = 2**bits - 1
+    scale, offset = _min_max_params(groups, qmax)
+    if method == "hqq":
+        offset = _hqq_refine_offset(groups, scale, offset, qmax)
+    codes = _codes_for(groups, scale, offset, qmax)
+    n_rows, k = weight.shape
+    return QuantizedMatrix(
+        codes=codes.reshape(n_rows, k),
+        scale=scale.squeeze(-1).to(PARAM_DTYPE),
+        offset=offset.squeeze(-1).to(PARAM_DTYPE),
+        bits=bits,
+        group_size=group_size,
+    )
+
+
+def dequantize_matrix(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """W_hat = codes * scale + offset, group-wise along K.
+
+    codes (N, K) uint8; scale, offset (N, K // g) float16 -> (N, K) `dtype`. Computed in float32.
+    """
+    n_rows, k = codes.shape
+    num_groups = scale.shape[-1]
+    if k % num_groups:
+        raise ValueError(f"K={k} is not a multiple of the number of groups {num_groups}")
+    grouped = codes.reshape(n_rows, num_groups, k // num_groups).to(torch.float32)
+    w_hat = torch.addcmul(offset.float().unsqueeze(-1), grouped, scale.float().unsqueeze(-1))
+    return w_hat.reshape(n_rows, k).to(dtype)
+
+
+def _check_quant_args(weight: torch.Tensor, bits: int, group_size: int | None, method: str) -> int:
+    if bits not in DEFAULT_GROUP_SIZE:
+        raise ValueError(f"bits must be one of {sorted(DEFAULT_GROUP_SIZE)}, got {bits}")
+    if method not in QUANT_METHODS:
+        raise ValueError(f"method must be one of {sorted(QUANT_METHODS)}, got {method!r}")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a 2-D float tensor, got {tuple(weight.shape)} {weight.dtype}")
+    group_size = DEFAULT_GROUP_SIZE[bits] if group_size is None else group_size
+    _check_group_size(weight.shape[1], group_size, bits)
+    # NOTE: host sync; quantization is offline (checkpoint preparation), never on the decode path.
+    if not bool(torch.isfinite(weight).all()) or float(weight.abs().max()) > torch.finfo(PARAM_DTYPE).max:
+        raise ValueError("weight has non-finite values or values beyond float16 range; cannot quantize")
+    return group_size
+
+
+def _check_group_size(k: int, group_size: int, bits: int) -> None:
+    per_byte = 8 // bits
+    if group_size <= 0 or group_size % per_byte:
+        raise ValueError(f"group_size must be a positive multiple of {per_byte} for int{bits}, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"input dimension K={k} is not a multiple of group_size={group_size}; pick a divisor")
+
+
+def _as_groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N, K) -> (N, K // group_size, group_size), a view."""
+    n_rows, k = weight.shape
+    return weight.reshape(n_rows, k // group_size, group_size)
+
+
+def _min_max_params(groups: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RTN range: offset = group min, scale = (max - min) / qmax; both (N, G, 1) float32 and
+    already rounded to PARAM_DTYPE, so codes are computed against the parameters actually stored."""
+    w_min = groups.amin(dim=-1, keepdim=True)
+    w_max = groups.amax(dim=-1, keepdim=True)
+    # A constant group has range 0; the smallest normal float16 keeps the division finite and
+    # still represents the group exactly (all codes 0, W_hat = offset).
+    scale = ((w_max - w_min) / qmax).clamp_min(torch.finfo(PARAM_DTYPE).tiny)
+    return _round_param(scale), _round_param(w_min)
+
+
+def _round_param(param: torch.Tensor) -> torch.Tensor:
+    return param.to(PARAM_DTYPE).to(torch.float32)
+
+
+def _codes_for(groups: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmax: int) -> torch.Tensor:
+    return torch.round((groups - offset) / scale).clamp_(0, qmax).to(torch.uint8)
+
+
+def _squared_error(groups: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Per-group sum of squared dequantization error, (N, G, 1) float32."""
+    w_hat = _codes_for(groups, scale, offset, qmax).to(torch.float32) * scale + offset
+    return (groups - w_hat).square().sum(dim=-1, keepdim=True)
+
+
+def _shrink_lp(x: torch.Tensor, beta: float, p: float) -> torch.Tensor:
+    """Proximal operator of the l_p (p < 1) penalty, the generalized soft threshold of HQQ."""
+    magnitude = x.abs()
+    threshold = magnitude.clamp_min(1e-12).pow(p - 1.0) / beta
+    return torch.sign(x) * F.relu(magnitude - threshold)
+
+
+def _hqq_refine_offset(
+    groups: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmax: int
+) -> torch.Tensor:
+    """Half-quadratic splitting on the offset, scale fixed.
+
+    Alternates (1) codes for the current offset, (2) the sparse error term E = shrink(W - W_hat),
+    (3) the closed-form offset minimizing ||W - E - (codes * scale + offset)||^2 per group, i.e. the
+    group mean of W - E - codes * scale. Keeps, per group, the best offset seen by squared error.
+    groups (N, G, g), scale and offset (N, G, 1) float32 -> offset (N, G, 1) float32.
+    """
+    best_offset = offset
+    best_error = _squared_error(groups, scale, offset, qmax)
+    beta = HQQ_BETA
+    for _ in range(HQQ_ITERS):
+        codes = _codes_for(groups, scale, offset, qmax).to(torch.float32)
+        sparse_error = _shrink_lp(groups - (codes * scale + offset), beta, HQQ_LP_NORM)
+        offset = _round_param((groups - sparse_error - codes * scale).mean(dim=-1, keepdim=True))
+        error = _squared_error(groups, scale, offset, qmax)
+        improved = error < best_error
+        best_offset = torch.where(improved, offset, best_offset)
+        best_error = torch.where(improved, error, best_error)
+        beta *= HQQ_KAPPA
+    return best_offset
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit packing
+# ---------------------------------------------------------------------------------------------
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes along the last dimension: (..., K) uint8 in [0, 2**bits) -> (..., K * bits // 8) uint8.
+
+    K must be a multiple of 8 // bits. Element k goes to byte k // (8 // bits), bit (k % (8 // bits)) * bits.
+    """
+    per_byte = _values_per_byte(bits)
+    if codes.dtype != torch.uint8 or codes.shape[-1] % per_byte:
+        raise ValueError(f"codes must be uint8 with last dim a multiple of {per_byte}, got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    # NOTE: host sync; packing is offline.
+    if codes.numel() and int(codes.max()) >= 2**bits:
+        raise ValueError(f"codes exceed {bits} bits")
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte).to(torch.int32)
+    shifts = _bit_shifts(bits, codes.device, torch.int32)
+    # Fields occupy disjoint bits, so their sum is their bitwise OR.
+    return (grouped << shifts).sum(dim=-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: (..., Kp) uint8 -> (..., Kp * 8 // bits) uint8 codes."""
+    per_byte = _values_per_byte(bits)
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be uint8, got {packed.dtype}")
+    shifts = _bit_shifts(bits, packed.device, torch.uint8)
+    fields = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
+    return fields.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+
+
+def _values_per_byte(bits: int) -> int:
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 4 or 2, got {bits}")
+    return 8 // bits
+
+
+def _bit_shifts(bits: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(0, 8, bits, device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel-ready expert buffers
+# ---------------------------------------------------------------------------------------------
+
+
+def normalize_precision(precision: str) -> str:
+    """"hi"/"bf16" -> "hi" (the checkpoint dtype); "int4"/"int2" unchanged; anything else: ValueError."""
+    if precision in HI_PRECISION_ALIASES:
+        return "hi"
+    if precision in LOW_BIT_PRECISIONS:
+        return precision
+    raise ValueError(f"precision must be one of hi, bf16, int4, int2; got {precision!r}")
+
+
+def expert_layout(
+    precision: str,
+    intermediate_size: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    group_size: int | tuple[int, int] | None = None,
+    quant_method: str = "rtn",
+) -> QuantMeta:
+    """The buffer layout of one expert version, without any data.
+
+    group_size: one size for both matrices, or (gate_up's along H, down's along I); None = default
+    for the bit width. Ignored for "hi".
+    """
+    precision = normalize_precision(precision)
+    if dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        raise ValueError(f"checkpoint dtype must be bf16, fp16 or fp32, got {dtype}")
+    if intermediate_size <= 0 or hidden_size <= 0:
+        raise ValueError(f"sizes must be positive, got I={intermediate_size} H={hidden_size}")
+    if precision == "hi":
+        return _hi_layout(intermediate_size, hidden_size, dtype)
+    if quant_method not in QUANT_METHODS:
+        raise ValueError(f"quant_method must be one of {sorted(QUANT_METHODS)}, got {quant_method!r}")
+    bits = LOW_BIT_PRECISIONS[precision]
+    gs_gate_up, gs_down = _split_group_sizes(group_size, bits)
+    _check_group_size(hidden_size, gs_gate_up, bits)
+    _check_group_size(intermediate_size, gs_down, bits)
+    shapes = _low_bit_slot_shapes(intermediate_size, hidden_size, bits, gs_gate_up, gs_down)
+    slots, nbytes = _place_slots(shapes)
+    return QuantMeta(precision, dtype, intermediate_size, hidden_size, bits, gs_gate_up, gs_down,
+                     quant_method, slots, nbytes)
+
+
+def nbytes_for(
+    precision: str,
+    intermediate_size: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    group_size: int | tuple[int, int] | None = None,
+) -> int:
+    """Bytes of one expert version's buffer (ALIGN_BYTES-aligned), for budgeting without packing."""
+    return expert_layout(precision, intermediate_size, hidden_size, dtype, group_size).nbytes
+
+
+def pack_expert(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    precision: str,
+    *,
+    group_size: int | tuple[int, int] | None = None,
+    quant_method: str = "rtn",
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, QuantMeta]:
+    """Build one expert version's flat buffer.
+
+    gate_up (2I, H), down (H, I): same float dtype (the checkpoint dtype, which "hi" stores as is).
+    precision: "hi"/"bf16", "int4" or "int2".
+    out: optional 1-D uint8 tensor of at least meta.nbytes bytes to write into (e.g. a slice of a
+    pinned host arena, starting at an ALIGN_BYTES-aligned offset); allocated on gate_up's device if None.
+    Returns (buffer (meta.nbytes,) uint8, meta).
+    """
+    intermediate_size, hidden_size = _expert_sizes(gate_up, down)
+    meta = expert_layout(precision, intermediate_size, hidden_size, gate_up.dtype, group_size, quant_method)
+    buffer = _output_buffer(out, meta.nbytes, gate_up.device)
+    views = expert_views(buffer, meta)
+    for name, tensor in _expert_tensors(gate_up, down, meta).items():
+        views[name].copy_(tensor)
+    return buffer, meta
+
+
+def expert_views(buffer: torch.Tensor, meta: QuantMeta) -> dict[str, torch.Tensor]:
+    """Typed views of the slots of `buffer` (1-D uint8, >= meta.nbytes): they alias it, no copies.
+
+    hi: {"gate_up": (2I, H), "down": (H, I)} in meta.dtype.
+    lo: {"gate_up_packed", "gate_up_scale", "gate_up_offset", "down_packed", "down_scale",
+    "down_offset"} with the shapes in the module docstring.
+    """
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < meta.nbytes:
+        raise ValueError(f"buffer must be 1-D uint8 of >= {meta.nbytes} bytes, got {buffer.dtype} "
+                         f"{tuple(buffer.shape)}")
+    return {slot.name: _slot_view(buffer, slot) for slot in meta.slots}
+
+
+def dequantize(
+    views: dict[str, torch.Tensor], meta: QuantMeta, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialize (gate_up (2I, H), down (H, I)) in `dtype` (default meta.dtype) from an expert's views.
+
+    For "hi" this returns the views themselves (cast only if `dtype` differs).
+    """
+    dtype = meta.dtype if dtype is None else dtype
+    if not meta.is_low_bit:
+        return views["gate_up"].to(dtype), views["down"].to(dtype)
+    return (_dequantize_slot(views, "gate_up", meta.bits, dtype),
+            _dequantize_slot(views, "down", meta.bits, dtype))
+
+
+def expert_forward(x: torch.Tensor, views: dict[str, torch.Tensor], meta: QuantMeta) -> torch.Tensor:
+    """Expert output for tokens x (T, H) -> (T, H), in x's dtype.
+
+    hi: F.linear on the stored weights; lo: dequantize to x's dtype, then the same formula.
+    """
+    gate_up, down = dequantize(views, meta, x.dtype)
+    return swiglu_expert(x, gate_up, down)
+
+
+def swiglu_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Reference expert: x (T, H), gate_up (2I, H), down (H, I) -> (T, H)."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def _hi_layout(intermediate_size: int, hidden_size: int, dtype: torch.dtype) -> QuantMeta:
+    shapes = (("gate_up", dtype, (2 * intermediate_size, hidden_size)),
+              ("down", dtype, (hidden_size, intermediate_size)))
+    slots, nbytes = _place_slots(shapes)
+    return QuantMeta("hi", dtype, intermediate_size, hidden_size, _itemsize(dtype) * 8, 0, 0, "", slots, nbytes)
+
+
+def _low_bit_slot_shapes(
+    intermediate_size: int, hidden_size: int, bits: int, gs_gate_up: int, gs_down: int
+) -> tuple[tuple[str, torch.dtype, tuple[int, int]], ...]:
+    shapes = []
+    for name, n_rows, k, group_size in (("gate_up", 2 * intermediate_size, hidden_size, gs_gate_up),
+                                        ("down", hidden_size, intermediate_size, gs_down)):
+        shapes += [(f"{name}_packed", torch.uint8, (n_rows, k * bits // 8)),
+                   (f"{name}_scale", PARAM_DTYPE, (n_rows, k // group_size)),
+                   (f"{name}_offset", PARAM_DTYPE, (n_rows, k // group_size))]
+    return tuple(shapes)
+
+
+def _place_slots(shapes) -> tuple[tuple[TensorSlot, ...], int]:
+    """Lay slots out back to back, each at the next ALIGN_BYTES boundary. Returns (slots, total bytes)."""
+    slots, cursor = [], 0
+    for name, dtype, shape in shapes:
+        slot = TensorSlot(name, dtype, tuple(shape), cursor)
+        slots.append(slot)
+        cursor = _align_up(cursor + slot.nbytes)
+    return tuple(slots), cursor
+
+
+def _align_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _split_group_sizes(group_size: int | tuple[int, int] | None, bits: int) -> tuple[int, int]:
+    if group_size is None:
+        return DEFAULT_GROUP_SIZE[bits], DEFAULT_GROUP_SIZE[bits]
+    if isinstance(group_size, int):
+        return group_size, group_size
+    gs_gate_up, gs_down = group_size
+    return gs_gate_up, gs_down
+
+
+def _expert_sizes(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
+    """(I, H) from gate_up (2I, H) and down (H, I); ValueError if they do not fit together."""
+    if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[0] % 2:
+        raise ValueError(f"expected gate_up (2I, H) and down (H, I), got {tuple(gate_up.shape)} "
+                         f"and {tuple(down.shape)}")
+    intermediate_size, hidden_size = gate_up.shape[0] // 2, gate_up.shape[1]
+    if tuple(down.shape) != (hidden_size, intermediate_size) or down.dtype != gate_up.dtype:
+        raise ValueError(f"down must be ({hidden_size}, {intermediate_size}) {gate_up.dtype}, got "
+                         f"{tuple(down.shape)} {down.dtype}")
+    return intermediate_size, hidden_size
+
+
+def _output_buffer(out: torch.Tensor | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes:
+        raise ValueError(f"out must be 1-D uint8 of >= {nbytes} bytes, got {out.dtype} {tuple(out.shape)}")
+    return out[:nbytes]
+
+
+def _expert_tensors(gate_up: torch.Tensor, down: torch.Tensor, meta: QuantMeta) -> dict[str, torch.Tensor]:
+    """The tensors to store in each slot of `meta`'s layout."""
+    if not meta.is_low_bit:
+        return {"gate_up": gate_up, "down": down}
+    tensors = {}
+    for name, weight, group_size in (("gate_up", gate_up, meta.group_size_gate_up),
+                                     ("down", down, meta.group_size_down)):
+        quantized = quantize(weight, meta.bits, group_size, meta.quant_method)
+        tensors[f"{name}_packed"] = pack(quantized.codes, meta.bits)
+        tensors[f"{name}_scale"] = quantized.scale
+        tensors[f"{name}_offset"] = quantized.offset
+    return tensors
+
+
+def _slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    raw = buffer[slot.offset_bytes : slot.offset_bytes + slot.nbytes]
+    return raw.view(slot.dtype).view(slot.shape)
+
+
+def _dequantize_slot(views: dict[str, torch.Tensor], name: str, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    codes = unpack(views[f"{name}_packed"], bits)
+    return dequantize_matrix(codes, views[f"{name}_scale"], views[f"{name}_offset"], dtype)
