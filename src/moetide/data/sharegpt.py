@@ -310,6 +310,7 @@ def heldout_loss(
     device=None,
     per_conversation: bool = False,
     batch_size: int = 8,
+    on_batch: Callable | None = None,
 ):
     """Mean held-out loss in nats/token.
 
@@ -321,7 +322,9 @@ def heldout_loss(
     ``model`` is any callable ``model(input_ids: LongTensor[B, T]) -> logits[B, T, V]`` or an object whose
     output has ``.logits`` (a transformers causal LM). Right-padding with ``attention_mask`` is used when
     batching if the callable accepts it; pass ``batch_size=1`` for callables that don't.
-    Returns the mean, or ``(mean, [(sum_nll, n_tokens) per conversation])`` if ``per_conversation``.
+    ``on_batch(indices, input_ids, attention_mask, output)`` is called after each forward (e.g. to collect
+    router logits). Returns the mean, or ``(mean, [(sum_nll, n_tokens) per conversation])`` if
+    ``per_conversation``.
     """
     import torch
     import torch.nn.functional as F
@@ -349,6 +352,8 @@ def heldout_loss(
                 out = model(x)
             else:
                 out = model(x, attention_mask=m)
+            if on_batch is not None:
+                on_batch(idx, x, m, out)
             logits = out.logits if hasattr(out, "logits") else out
             logits = logits[:, :-1].float()
             tgt = x[:, 1:]

@@ -1,0 +1,147 @@
+"""The Python API, in the shape users know from vLLM: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import EngineConfig, parse_bytes
+from ..errors import ConfigError
+from ..models.checkpoint import load_tokenizer
+from ..models.loader import LoadedModel, load_model, resolve_device
+from .llm_engine import LLMEngine
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .sequence import Sequence
+
+
+def demo_model_path() -> Path:
+    """The embedded demo model shipped inside the package."""
+    return Path(__file__).resolve().parent.parent / "demo_model"
+
+
+@dataclass
+class RequestOutput:
+    """One finished request: text, tokens and timings (seconds)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    ttft_s: float | None
+    tpot_s: float | None
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence, prompt: str | None) -> RequestOutput:
+        return cls(seq.request_id, prompt, seq.prompt_ids, list(seq.output_ids), seq.text, seq.finish_reason,
+                   seq.ttft_s, seq.tpot_s)
+
+
+def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[LoadedModel, LLMEngine, object]:
+    """Load the checkpoint and wire model, residency, runner and engine from one config."""
+    from ..residency import build_residency
+
+    tokenizer = load_tokenizer(config.model_path)
+    device = resolve_device(config.device)
+    loaded = load_model(
+        config.model_path,
+        device=device,
+        dtype=config.dtype,
+        residency_factory=lambda store, metrics, dev: build_residency(config, store, metrics, dev),
+        progress=progress,
+    )
+    model_len = getattr(loaded.config, "max_position_embeddings", None) or 4096
+    max_model_len = min(config.max_model_len or model_len, model_len)
+    eos = set()
+    for source in (tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            eos.add(source)
+        elif source:
+            eos.update(int(x) for x in source)
+    engine = LLMEngine(
+        ModelRunner(loaded.model, loaded.device),
+        tokenizer,
+        eos,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        kv_cache_tokens=config.kv_cache_tokens,
+    )
+    return loaded, engine, tokenizer
+
+
+class LLM:
+    """Offline inference over a local MoE checkpoint with managed experts.
+
+    Example:
+        llm = moetide.LLM()                       # the embedded demo model
+        out = llm.generate(["Hello"], moetide.SamplingParams(max_tokens=32, temperature=0))
+        print(out[0].text)
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str | None = None,
+        gpu_memory: str | int | None = None,
+        policy: str = "on-demand",
+        dtype: str = "auto",
+        max_num_seqs: int = 32,
+        max_model_len: int | None = None,
+        progress: bool = False,
+        **extra,
+    ):
+        self.config = EngineConfig(
+            model=str(model if model is not None else demo_model_path()),
+            device=device,
+            dtype=dtype,
+            gpu_memory_bytes=parse_bytes(gpu_memory),
+            policy=policy,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            **{k: v for k, v in extra.items() if k in EngineConfig.__dataclass_fields__},
+        )
+        self.loaded, self.engine, self.tokenizer = build_engine(self.config, progress=progress)
+
+    @property
+    def metrics(self):
+        return self.loaded.runtime.metrics
+
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ConfigError("each prompt must be a string or a list of token ids")
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Complete a prompt or a batch of prompts (strings or token-id lists); outputs in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ConfigError("give one SamplingParams, or one per prompt")
+        seqs = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            text, ids = self._encode(prompt)
+            seqs.append((text, self.engine.add_request(ids, p)))
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [RequestOutput.from_sequence(seq, text) for text, seq in seqs]
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"{self.config.model}: the tokenizer has no chat template; use generate() instead")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """One conversation (list of {role, content}) or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params)
+
+    def close(self) -> None:
+        self.loaded.runtime.residency.close()

@@ -1,0 +1,134 @@
+"""All device work of the engine: prefill, decode and the batch's KV cache.
+
+The running batch keeps one transformers `DynamicCache` whose rows are left-padded to a common
+length S, and a mask `(B, S)` (1 = real token). New sequences are prefilled on their own (in chunks
+when long) and then merged in by left-padding whichever side is shorter; finished rows are dropped
+with `index_select`, and columns that became padding in every row are trimmed. Position ids count
+real tokens only, so a sequence computes the same logits whatever it is batched with.
+
+Shapes: B rows, S cache length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .sequence import Sequence
+
+
+def _cache_layers(cache):
+    return cache.layers
+
+
+class BatchKVCache:
+    """The running rows' KV cache `(B, heads, S, head_dim)` per layer and their mask `(B, S)`."""
+
+    def __init__(self, cache, mask: torch.Tensor, lengths: torch.Tensor):
+        self.cache = cache
+        self.mask = mask  # (B, S) int64
+        self.lengths = lengths  # (B,) real tokens per row
+
+    @property
+    def batch_size(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.mask.shape[1]
+
+    def _pad_left(self, pad: int) -> None:
+        if pad <= 0:
+            return
+        for layer in _cache_layers(self.cache):
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                zeros = t.new_zeros(*t.shape[:-2], pad, t.shape[-1])
+                setattr(layer, name, torch.cat([zeros, t], dim=-2))
+        self.mask = torch.cat([self.mask.new_zeros(self.batch_size, pad), self.mask], dim=1)
+
+    def merge(self, other: BatchKVCache) -> None:
+        """Append `other`'s rows (after this batch's rows), left-padding to a common length."""
+        self._pad_left(other.seq_len - self.seq_len)
+        other._pad_left(self.seq_len - other.seq_len)
+        for mine, theirs in zip(_cache_layers(self.cache), _cache_layers(other.cache), strict=True):
+            mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
+            mine.values = torch.cat([mine.values, theirs.values], dim=0)
+        self.mask = torch.cat([self.mask, other.mask], dim=0)
+        self.lengths = torch.cat([self.lengths, other.lengths], dim=0)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every row not in `rows`, then trim columns that are padding in every kept row."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        self.mask = self.mask.index_select(0, idx)
+        self.lengths = self.lengths.index_select(0, idx)
+        for layer in _cache_layers(self.cache):
+            layer.keys = layer.keys.index_select(0, idx)
+            layer.values = layer.values.index_select(0, idx)
+        # NOTE: host sync (once per finished-sequence event, not per token)
+        lead = int(self.seq_len - self.lengths.max().item()) if rows else 0
+        if lead > 0:
+            self.mask = self.mask[:, lead:]
+            for layer in _cache_layers(self.cache):
+                layer.keys = layer.keys[..., lead:, :]
+                layer.values = layer.values[..., lead:, :]
+
+    def kv_bytes(self) -> int:
+        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in _cache_layers(self.cache))
+
+
+class ModelRunner:
+    """Runs transformers' model (with managed experts) for prefill and decode steps."""
+
+    def __init__(self, model: nn.Module, device: torch.device, prefill_chunk_tokens: int = 512):
+        self.model = model
+        self.device = device
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+    def prefill(self, seqs: list[Sequence]) -> tuple[BatchKVCache, torch.Tensor]:
+        """Prompts of `seqs` (left-padded together) -> their cache and last logits `(n, V)`.
+
+        A single long prompt is fed in chunks of `prefill_chunk_tokens` to bound activation memory.
+        """
+        prompts = [s.prompt_ids for s in seqs]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = self._new_cache()
+        chunk = self.prefill_chunk_tokens if len(seqs) == 1 else width
+        logits = None
+        for start in range(0, width, chunk):
+            end = min(width, start + chunk)
+            logits = self._forward(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
+        lengths = mask.sum(dim=1)
+        return BatchKVCache(cache, mask, lengths), logits
+
+    def decode(self, batch: BatchKVCache, last_tokens: torch.Tensor) -> torch.Tensor:
+        """One token for every row: `last_tokens (B,)` -> logits `(B, V)`; grows the cache by one."""
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.batch_size, 1)], dim=1)
+        positions = batch.lengths.unsqueeze(1)
+        logits = self._forward(last_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
+        batch.lengths = batch.lengths + 1
+        return logits

@@ -1,0 +1,84 @@
+"""Sampling parameters (vLLM's names) and the sampler.
+
+Shapes: logits (B, V) float32 for the B sequences decoded this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 = greedy; top_k 0 or -1 = off; top_p 1.0 = off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] | list[str] | str | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ConfigError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ConfigError("stop must be a non-empty string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (-inf) logits outside top-k and outside the top-p nucleus: `(V,)` -> `(V,)`."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row: `logits (B, V)` -> `(B,)` int64 on the logits' device."""
+    logits = logits.float()
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        row = logits[i]
+        if p.greedy:
+            out[i] = row.argmax()
+            continue
+        row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(row, dim=-1)
+        # generator lives on the CPU so seeded runs give the same tokens on any device
+        out[i] = torch.multinomial(probs.cpu(), 1, generator=gen).to(out.device)[0]
+    return out

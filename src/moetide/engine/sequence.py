@@ -1,0 +1,67 @@
+"""A request in flight: its tokens, sampling state, stop detection and timings."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One prompt being completed. Timestamps are `time.perf_counter()` seconds."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    text: str = ""  # decoded output, cut at a stop string
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    prefilled: int = 0  # prompt tokens already in the KV cache
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time between output tokens after the first."""
+        if len(self.token_times_s) < 2:
+            return None
+        return (self.token_times_s[-1] - self.token_times_s[0]) / (len(self.token_times_s) - 1)
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_s = time.perf_counter()

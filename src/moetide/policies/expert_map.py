@@ -1,0 +1,223 @@
+"""FineMoE's Expert Map Store: past iterations' expert maps, searched by meaning and by trajectory.
+
+An expert map of iteration i is `map_i = {P_1 .. P_L}`, `P_l in R^J` the gate's probability
+distribution at layer l (here: the mean over the step's tokens, see `policies/base.py`). Each entry also
+keeps the iteration's semantic embedding (pooled embedding-layer output, (H,)).
+
+Searches are vectorised in torch over the whole store:
+
+    semantic    score_sem(x, y)  = cos(sem_x, sem_y)                          (H,) vs (N, H)
+    trajectory  score_traj(x, y) = cos(P_1..l of x, P_1..l of y), flattened    (l*J,) vs (N, l*J)
+
+When the store is full, a new map replaces the most redundant one:
+    RDY(x, y) = d/L * score_sem(x, y) + (L - d)/L * score_traj(x, y)   (full maps, l = L)
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import torch
+
+_EPS = 1e-12
+
+
+def select_by_cumulative_probability(probs: torch.Tensor, delta: float, top_k: int) -> list[int]:
+    """FineMoE's adaptive prefetch set for one layer.
+
+    Experts in descending probability (ties: lower id first) until their cumulative probability
+    exceeds `delta`, never fewer than `top_k`, never more than J. `probs`: (J,) non-negative.
+    With delta = clip(1 - score, 0, 1): a confident match (score ~ 1) gives ~top_k experts, a poor one
+    hedges with more.
+    """
+    probs = probs.detach().float().reshape(-1)
+    J = probs.shape[0]
+    order = torch.sort(probs, descending=True, stable=True).indices
+    cumulative = torch.cumsum(probs[order], 0)
+    count = int((cumulative <= delta).sum()) + 1  # first prefix whose mass exceeds delta
+    count = max(min(count, J), min(top_k, J))
+    return order[:count].tolist()
+
+
+def delta_from_score(score: float) -> float:
+    """delta = clip(1 - score, 0, 1)."""
+    return min(max(1.0 - float(score), 0.0), 1.0)
+
+
+def _normalize(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+
+
+class ExpertMapStore:
+    """A bounded CPU store of (embedding (H,), map (L, J)) entries with cosine searches.
+
+    Thread-safe (one lock); searches and inserts are O(N * L * J) matrix-vector products.
+    """
+
+    def __init__(self, capacity: int, num_layers: int, num_experts: int, hidden_size: int, prefetch_distance: int):
+        if capacity < 1 or num_layers < 1 or num_experts < 1 or hidden_size < 1:
+            raise ValueError("capacity, num_layers, num_experts and hidden_size must be >= 1")
+        if not 1 <= prefetch_distance <= num_layers:
+            raise ValueError(f"prefetch_distance must be in 1..{num_layers}, got {prefetch_distance}")
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.prefetch_distance = prefetch_distance
+        L, J = num_layers, num_experts
+        self._embeddings = torch.zeros(capacity, hidden_size)
+        self._unit_embeddings = torch.zeros(capacity, hidden_size)
+        self._maps = torch.zeros(capacity, L * J)  # flattened (L, J) rows: prefixes are column slices
+        self._unit_maps = torch.zeros(capacity, L * J)
+        self._prefix_norms = torch.zeros(capacity, L)  # ||P_1..l|| for l = 1..L
+        self._size = 0
+        self._lock = threading.RLock()
+        self.inserts = 0
+        self.replacements = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    # -- writes -------------------------------------------------------------------------------------
+    def _check(self, embedding: torch.Tensor, gate_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e = embedding.detach().float().reshape(-1).cpu()
+        m = gate_probs.detach().float().cpu()
+        if e.shape[0] != self.hidden_size or m.shape != (self.num_layers, self.num_experts):
+            raise ValueError(
+                f"expected embedding ({self.hidden_size},) and map ({self.num_layers}, {self.num_experts}), "
+                f"got {tuple(e.shape)} and {tuple(m.shape)}"
+            )
+        return e, m
+
+    def redundancy(self, embedding: torch.Tensor, gate_probs: torch.Tensor) -> torch.Tensor:
+        """RDY of a new entry against every stored one: (N,) float32."""
+        e, m = self._check(embedding, gate_probs)
+        d, L = self.prefetch_distance, self.num_layers
+        with self._lock:
+            n = self._size
+            sem = self._unit_embeddings[:n] @ _normalize(e)
+            traj = self._unit_maps[:n] @ _normalize(m.reshape(-1))
+        return d / L * sem + (L - d) / L * traj
+
+    def add(self, embedding: torch.Tensor, gate_probs: torch.Tensor) -> int:
+        """Insert one map; when full, replace the most redundant entry (max RDY). Returns its row."""
+        e, m = self._check(embedding, gate_probs)
+        with self._lock:
+            if self._size < self.capacity:
+                row = self._size
+                self._size += 1
+            else:
+                row = int(torch.argmax(self.redundancy(e, m)))
+                self.replacements += 1
+            self._write(row, e, m)
+            self.inserts += 1
+            return row
+
+    def _write(self, row: int, e: torch.Tensor, m: torch.Tensor) -> None:
+        flat = m.reshape(-1)
+        self._embeddings[row] = e
+        self._unit_embeddings[row] = _normalize(e)
+        self._maps[row] = flat
+        self._unit_maps[row] = _normalize(flat)
+        self._prefix_norms[row] = torch.cumsum(m.square().sum(-1), 0).sqrt()
+
+    def add_trace(self, trace) -> int:
+        """Insert every step of a `Trace` in order (warm-up). Returns the number of inserts."""
+        for s in range(len(trace)):
+            self.add(trace.embeddings[s], trace.gate_probs[s])
+        return len(trace)
+
+    # -- searches -----------------------------------------------------------------------------------
+    def semantic_scores(self, embedding: torch.Tensor) -> torch.Tensor:
+        """cos(embedding, stored embeddings): (N,)."""
+        q = _normalize(embedding.detach().float().reshape(-1).cpu())
+        with self._lock:
+            return self._unit_embeddings[: self._size] @ q
+
+    def trajectory_scores(self, prefix: torch.Tensor) -> torch.Tensor:
+        """cos(observed P_1..l, stored P_1..l): (N,). `prefix`: (l, J), 1 <= l <= L."""
+        p = prefix.detach().float().cpu()
+        l = p.shape[0]
+        if not 1 <= l <= self.num_layers or p.shape[1] != self.num_experts:
+            raise ValueError(f"prefix must be (l, {self.num_experts}) with 1 <= l <= {self.num_layers}")
+        q = p.reshape(-1)
+        with self._lock:
+            n = self._size
+            dots = self._maps[:n, : l * self.num_experts] @ q
+            return dots / (self._prefix_norms[:n, l - 1] * q.norm()).clamp_min(_EPS)
+
+    def semantic_search(self, embedding: torch.Tensor) -> tuple[float, int] | None:
+        """(best cosine score, row) or None when the store is empty."""
+        with self._lock:
+            if self._size == 0:
+                return None
+            scores = self.semantic_scores(embedding)
+        row = int(torch.argmax(scores))
+        return float(scores[row]), row
+
+    def trajectory_search(self, prefix: torch.Tensor) -> tuple[float, int] | None:
+        """(best cosine score, row) or None when the store is empty."""
+        with self._lock:
+            if self._size == 0:
+                return None
+            scores = self.trajectory_scores(prefix)
+        row = int(torch.argmax(scores))
+        return float(scores[row]), row
+
+    def map(self, row: int) -> torch.Tensor:
+        """Stored map of `row`: (L, J) float32 (a copy)."""
+        with self._lock:
+            if not 0 <= row < self._size:
+                raise IndexError(f"row {row} out of range (size {self._size})")
+            return self._maps[row].view(self.num_layers, self.num_experts).clone()
+
+    def embedding(self, row: int) -> torch.Tensor:
+        with self._lock:
+            return self._embeddings[row].clone()
+
+    # -- files --------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the store (safetensors; geometry in the header's metadata)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            n = self._size
+            tensors = {
+                "embeddings": self._embeddings[:n].contiguous(),
+                "maps": self._maps[:n].view(n, self.num_layers, self.num_experts).contiguous(),
+            }
+            meta = {
+                "capacity": self.capacity,
+                "num_layers": self.num_layers,
+                "num_experts": self.num_experts,
+                "hidden_size": self.hidden_size,
+                "prefetch_distance": self.prefetch_distance,
+            }
+        save_file(tensors, str(path), metadata={"moetide_expert_map_store": json.dumps(meta)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, *, capacity: int | None = None, prefetch_distance: int | None = None) -> ExpertMapStore:
+        """Read a store written by `save`; `capacity` / `prefetch_distance` override the saved ones."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            if "moetide_expert_map_store" not in header:
+                raise ValueError(f"{path} is not an expert map store")
+            meta = json.loads(header["moetide_expert_map_store"])
+            embeddings, maps = f.get_tensor("embeddings"), f.get_tensor("maps")
+        store = cls(
+            capacity if capacity is not None else meta["capacity"],
+            meta["num_layers"],
+            meta["num_experts"],
+            meta["hidden_size"],
+            prefetch_distance if prefetch_distance is not None else meta["prefetch_distance"],
+        )
+        for e, m in zip(embeddings, maps, strict=True):
+            store.add(e, m)
+        return store

@@ -1,0 +1,161 @@
+"""Drive `ExpertPolicy` objects from a plain transformers MoE model with forward hooks.
+
+Used to record traces (`trace.record_trace`) and to test policies against real forward passes without
+the engine. Nothing is patched: hooks go on the embedding layer, on each MoE block's router
+(`mlp.<adapter.router_attr>`, which returns `(router_logits (T, J), top_k_weights, top_k_index (T, k))`)
+and on the decoder stack (end of a step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import ExpertPolicy
+
+
+class NullSink:
+    """A sink that drops every request (for policies that only observe, such as `TraceRecorder`)."""
+
+    capacity_experts = 0
+
+    def prefetch(self, layer, experts, *, iteration, priorities=None) -> None:
+        pass
+
+    def protect(self, layer, experts, *, iteration) -> None:
+        pass
+
+    def set_precision(self, layer, expert, precision) -> None:
+        pass
+
+
+def moe_layers(hf_model, adapter) -> list[tuple[int, torch.nn.Module]]:
+    """`[(model layer index, mlp block)]` of the layers whose MLP has the adapter's router."""
+    layers = hf_model.model.layers
+    return [(i, layer.mlp) for i, layer in enumerate(layers) if hasattr(layer.mlp, adapter.router_attr)]
+
+
+class PolicyHooks:
+    """Forward hooks that publish each step of `hf_model` to `policies`.
+
+    Per forward: the embedding hook calls `begin_iteration` (pooled embedding, token count,
+    `self.request_ids`), each router hook `observe_layer` (mean softmax of the logits in fp32, top-k
+    ids) and, for policies that ask, `observe_speculative` (router l+d applied to router l's input),
+    and the decoder-stack hook `end_iteration`. Policies are attached to `sink` (a `NullSink` if none).
+    """
+
+    def __init__(self, hf_model, adapter, policies: Sequence[ExpertPolicy], sink=None):
+        self.model = hf_model
+        self.policies = list(policies)
+        self.request_ids: tuple[int, ...] = ()
+        self.iteration = 0
+        layers = moe_layers(hf_model, adapter)
+        if not layers:
+            raise ValueError(f"no MoE block with a '{adapter.router_attr}' router in this model")
+        self.moe_layer_ids = [i for i, _ in layers]
+        self.routers = [getattr(mlp, adapter.router_attr) for _, mlp in layers]
+        config = hf_model.config
+        num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
+        sink = sink if sink is not None else NullSink()
+        for p in self.policies:
+            p.attach(sink, len(self.routers), num_experts, top_k)
+        self._distances = sorted({d for p in self.policies for d in getattr(p, "speculative_distances", ())})
+        self._speculating = False
+        self._handles = [hf_model.get_input_embeddings().register_forward_hook(self._on_embedding)]
+        for ordinal, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._router_hook(ordinal)))
+        decoder = getattr(hf_model, "model", hf_model)
+        self._handles.append(decoder.register_forward_hook(self._on_decoder_done))
+
+    def _on_embedding(self, module, inputs, output) -> None:
+        self.iteration += 1
+        h = output.detach().reshape(-1, output.shape[-1])
+        pooled = h.float().mean(dim=0).cpu()
+        for p in self.policies:
+            p.begin_iteration(self.iteration, pooled, h.shape[0], request_ids=self.request_ids)
+
+    def _router_hook(self, ordinal: int):
+        def hook(module, inputs, output) -> None:
+            if self._speculating:
+                return
+            logits, _, top_k_index = output
+            probs = torch.softmax(logits.detach().float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0).cpu()
+            ids = top_k_index.detach().reshape(-1, top_k_index.shape[-1]).cpu()
+            for p in self.policies:
+                p.observe_layer(self.iteration, ordinal, probs, ids)
+            if not self._distances:
+                return
+            hidden = inputs[0].detach()
+            self._speculating = True
+            try:
+                for d in self._distances:
+                    if ordinal + d >= len(self.routers):
+                        break
+                    spec_ids = self.routers[ordinal + d](hidden)[2]
+                    spec_ids = spec_ids.detach().reshape(-1, spec_ids.shape[-1]).cpu()
+                    for p in self.policies:
+                        if d in getattr(p, "speculative_distances", ()):
+                            p.observe_speculative(self.iteration, ordinal, d, spec_ids)
+            finally:
+                self._speculating = False
+
+        return hook
+
+    def _on_decoder_done(self, module, inputs, output) -> None:
+        for p in self.policies:
+            p.end_iteration(self.iteration)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+@dataclass
+class GenerationResult:
+    """Greedy outputs per request and wall time of every forward step (seconds)."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+
+
+@torch.no_grad()
+def greedy_generate(
+    hf_model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    hooks: PolicyHooks | None = None,
+    eos_token_id: int | None = None,
+    request_id_start: int = 0,
+) -> GenerationResult:
+    """Greedy decoding, batch 1, with a `DynamicCache`: one forward for the prefill, one per new token.
+
+    `hooks.request_ids` is set to the current request before its first forward.
+    """
+    from transformers import DynamicCache
+
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    device = next(hf_model.parameters()).device
+    result = GenerationResult()
+    for r, prompt in enumerate(prompts):
+        if hooks is not None:
+            hooks.request_ids = (request_id_start + r,)
+        cache = DynamicCache(config=hf_model.config)
+        x = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+        out_tokens: list[int] = []
+        for step in range(max_new_tokens):
+            t0 = time.perf_counter()
+            out = hf_model(input_ids=x, past_key_values=cache, use_cache=True)
+            nxt = int(out.logits[0, -1].argmax())  # NOTE: host sync (a greedy token is needed on the host)
+            result.step_times_s.append(time.perf_counter() - t0)
+            out_tokens.append(nxt)
+            if (eos_token_id is not None and nxt == eos_token_id) or step == max_new_tokens - 1:
+                break
+            x = torch.tensor([[nxt]], dtype=torch.long, device=device)
+        result.tokens.append(out_tokens)
+    return result
