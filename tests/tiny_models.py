@@ -89,7 +89,7 @@ def save_char_tokenizer(path: Path, vocab_size: int) -> None:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
     )
     fast.chat_template = (
-        "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+        "{% for m in messages %}{{ m['role'][0] | upper }}:{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}A:{% endif %}"
     )
     fast.save_pretrained(path)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config import EngineConfig, parse_bytes
 from ..errors import ConfigError
-from ..models.checkpoint import load_tokenizer
+from ..models.checkpoint import inspect_checkpoint, load_tokenizer
 from ..models.loader import LoadedModel, load_model, resolve_device
 from .llm_engine import LLMEngine
 from .runner import ModelRunner
@@ -43,6 +43,7 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
     """Load the checkpoint and wire model, residency, runner and engine from one config."""
     from ..residency import build_residency
 
+    inspect_checkpoint(config.model_path)  # a bad path is reported before the tokenizer is looked for
     tokenizer = load_tokenizer(config.model_path)
     device = resolve_device(config.device)
     loaded = load_model(

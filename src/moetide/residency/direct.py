@@ -31,9 +31,11 @@ class ResolvedExpert:
 
     def forward(self, x: torch.Tensor, act_fn) -> torch.Tensor:
         """Expert output `(t, H)` from a lo version (dequantize, then the same MLP)."""
+        from ..compute.expert_compute import expert_mlp
         from ..store import quant
 
-        return quant.expert_forward(x, self.views, self.meta, act_fn=act_fn)
+        gate_up, down = quant.dequantize(self.views, self.meta, x.dtype)
+        return expert_mlp(x, gate_up, down, act_fn)
 
 
 class DirectResidency:

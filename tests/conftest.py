@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random checkpoints of every family, written once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import FAMILIES, save_tiny_model  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """{model_type: (checkpoint dir, the transformers model that wrote it)}."""
+    out = {}
+    for fam in FAMILIES:
+        path = tmp_path_factory.mktemp(fam)
+        out[fam] = (path, save_tiny_model(fam, path))
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tiny_checkpoints) -> Path:
+    return tiny_checkpoints["qwen3_moe"][0]
