@@ -17,15 +17,15 @@ BASE = dict(
 )
 
 FAMILY_KWARGS = {
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=8),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2),
     "phimoe": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
     "deepseek_v2": dict(
         n_routed_experts=8,
         num_experts_per_tok=2,
-        moe_intermediate_size=24,
+        moe_intermediate_size=32,
         n_shared_experts=1,
         first_k_dense_replace=1,
         num_hidden_layers=3,

@@ -67,19 +67,27 @@ class ExpertRuntime:
         experts = distinct_experts(top_k_index)  # NOTE: host sync (counted)
         self.metrics.host_syncs += 1
         self._publish_layer(layer, top_k_index)
-        resolved = self.residency.acquire(layer, experts, hidden.device)
-        try:
-            act = self.act_fn
+        out = None
+        pending = experts
+        while pending:  # more than one wave only when the pools cannot hold all `experts` at once
+            resolved, pending = self.residency.acquire(layer, pending, hidden.device)
+            try:
+                part = combine_experts(hidden, top_k_index, top_k_weights, self._runner(resolved), sorted(resolved))
+            finally:
+                self.residency.release(layer, list(resolved))
+            out = part if out is None else out + part
+        return out
 
-            def run(e: int, x: torch.Tensor) -> torch.Tensor:
-                version = resolved[e]
-                if version.precision == "hi":
-                    return expert_mlp(x, version.views["gate_up"], version.views["down"], act)
-                return version.forward(x, act)
+    def _runner(self, resolved):
+        act = self.act_fn
 
-            return combine_experts(hidden, top_k_index, top_k_weights, run, experts)
-        finally:
-            self.residency.release(layer, experts)
+        def run(e: int, x: torch.Tensor) -> torch.Tensor:
+            version = resolved[e]
+            if version.precision == "hi":
+                return expert_mlp(x, version.views["gate_up"], version.views["down"], act)
+            return version.forward(x, act)
+
+        return run
 
 
 class ManagedExperts(nn.Module):

@@ -9,6 +9,7 @@ from ..config import EngineConfig, parse_bytes
 from ..errors import ConfigError
 from ..models.checkpoint import inspect_checkpoint, load_tokenizer
 from ..models.loader import LoadedModel, load_model, resolve_device
+from ..residency import MAX_PREFILL_TOKENS
 from .llm_engine import LLMEngine
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -39,6 +40,12 @@ class RequestOutput:
                    seq.ttft_s, seq.tpot_s)
 
 
+def kv_cache_tokens(config: EngineConfig, loaded: LoadedModel) -> int | None:
+    """The KV reservation the memory plan made (admission control), or the config's, or no limit."""
+    plan = getattr(loaded.runtime.residency, "plan", None)
+    return plan.fixed.kv_cache_tokens if plan is not None else config.kv_cache_tokens
+
+
 def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[LoadedModel, LLMEngine, object]:
     """Load the checkpoint and wire model, residency, runner and engine from one config."""
     from ..residency import build_residency
@@ -50,7 +57,9 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
         config.model_path,
         device=device,
         dtype=config.dtype,
-        residency_factory=lambda store, metrics, dev: build_residency(config, store, metrics, dev),
+        residency_factory=lambda store, metrics, dev, model, model_config: build_residency(
+            config, store, metrics, dev, model, model_config, progress=progress
+        ),
         progress=progress,
     )
     model_len = getattr(loaded.config, "max_position_embeddings", None) or 4096
@@ -67,7 +76,8 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
         eos,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
-        kv_cache_tokens=config.kv_cache_tokens,
+        kv_cache_tokens=kv_cache_tokens(config, loaded),
+        max_prefill_tokens=MAX_PREFILL_TOKENS,
     )
     return loaded, engine, tokenizer
 

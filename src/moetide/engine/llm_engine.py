@@ -90,6 +90,19 @@ class LLMEngine:
                 return True
         return False
 
+    def fail_running(self, reason: str = "error") -> list[Sequence]:
+        """Finish every running sequence and drop the batch; waiting requests stay queued.
+
+        Recovery after `step()` raised: the batch's KV cache may be half-updated, so no running row
+        can be trusted. Sequences admitted by the failed step are in neither list; the caller owns them.
+        """
+        failed = [s for s in self.running if not s.finished]
+        for seq in failed:
+            seq.finish(reason)
+        self.running = []
+        self.batch, self._last_tokens = None, None
+        return failed
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -118,8 +118,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a local HF MoE checkpoint through transformers' modeling code with managed experts.
 
-    `residency_factory(store, metrics, device) -> residency` chooses how experts reach the device;
-    the default fetches every needed expert on demand (`DirectResidency`).
+    `residency_factory(store, metrics, device, model, config) -> residency` chooses how experts reach
+    the device; it runs after the non-expert weights are placed (they count in the budget). The
+    default fetches every needed expert on demand (`DirectResidency`).
     """
     info = inspect_checkpoint(path)
     config, adapter = info.config, info.adapter
@@ -139,13 +140,7 @@ def load_model(
     num_experts = adapter.num_experts(config)
     store = HostExpertStore(len(blocks), num_experts, shape, pin_memory=dev.type == "cuda")
     metrics = ExpertMetrics(len(blocks))
-    if residency_factory is None:
-        from ..residency.direct import DirectResidency
-
-        residency = DirectResidency(store, metrics)
-    else:
-        residency = residency_factory(store, metrics, dev)
-    runtime = ExpertRuntime(residency, metrics, act_fn, num_experts, adapter.top_k(config))
+    runtime = ExpertRuntime(None, metrics, act_fn, num_experts, adapter.top_k(config))
     for i, (_, block) in enumerate(blocks):
         block.experts = ManagedExperts(i, runtime)
 
@@ -179,6 +174,12 @@ def load_model(
     if missing:
         raise CheckpointError(f"{info.path}: checkpoint is missing tensor {missing[0]!r}")
     model.to(dev)  # buffers (rotary tables) follow the parameters
+    if residency_factory is None:
+        from ..residency.direct import DirectResidency
+
+        runtime.residency = DirectResidency(store, metrics)
+    else:
+        runtime.residency = residency_factory(store, metrics, dev, model, config)
     _install_hooks(model, blocks, adapter, runtime)
     return LoadedModel(model, info, store, runtime, [i for i, _ in blocks], dev, compute_dtype)
 

@@ -1,18 +1,122 @@
-"""Where experts live (device or host) and in which precision: pools, handles, transfers, budget."""
+"""Where experts live (device or host) and in which precision: pools, handles, transfers, budget.
+
+`build_residency` maps a policy name onto a memory mode and residency options, sizes `M_fixed`,
+splits the rest of the budget into slot pools and preloads what the mode keeps resident.
+"""
 
 from __future__ import annotations
 
+import torch
+from tqdm.auto import tqdm
+
 from ..config import EngineConfig
-from ..errors import ConfigError
+from ..store.host_store import HostExpertStore
+from .budget import BudgetTracker, FixedCosts, MemoryPlan, plan_memory
+from .core import ResidencyManager, ResidencyOptions
 from .direct import DirectResidency
 from .metrics import ExpertMetrics
+from .transfer import CpuTransfer, CudaTransfer
+
+# policy -> (memory mode, needs a lo version)
+POLICY_MODES = {
+    "no-offload": ("all-hi", False),
+    "static-int4": ("all-lo", True),
+    "static-int2": ("all-lo", True),
+    "on-demand": ("hi-cache", False),
+    "lru": ("hi-cache", False),
+    "finemoe": ("hi-cache", False),
+    "moe-infinity": ("hi-cache", False),
+    "dynaexq": ("lo+hi", True),
+    "combined": ("lo+hi", True),
+}
+
+MAX_PREFILL_TOKENS = 1024  # tokens per prefill forward; sizes the activation workspace
 
 
-def build_residency(config: EngineConfig, store, metrics: ExpertMetrics, device):
-    """The residency core for `config.policy` over `store` on `device`."""
-    if config.policy == "on-demand" and config.gpu_memory_bytes is None:
-        return DirectResidency(store, metrics)
-    raise ConfigError(
-        f"policy {config.policy!r} with a memory budget needs the residency core, which is not built yet;"
-        " use --policy on-demand without --gpu-memory"
+def lo_precision_for(config: EngineConfig) -> str:
+    return {"static-int4": "int4", "static-int2": "int2"}.get(config.policy, config.lo_precision)
+
+
+def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token adds across all layers (keys + values)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    layers = model_config.num_hidden_layers
+    heads = model_config.num_attention_heads
+    if getattr(model_config, "kv_lora_rank", None):  # DeepSeek MLA, as transformers caches it
+        k_dim = model_config.qk_nope_head_dim + model_config.qk_rope_head_dim
+        return layers * heads * (k_dim + model_config.v_head_dim) * elt
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return 2 * layers * kv_heads * head_dim * elt
+
+
+def fixed_costs(config: EngineConfig, model_config, model, dtype: torch.dtype, hi_expert_bytes: int,
+                budget_bytes: int) -> FixedCosts:
+    """`M_fixed` for this model and engine configuration (bytes)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+    weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    per_token = kv_bytes_per_token(model_config, dtype)
+    max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", 2048)
+    if config.kv_cache_tokens is not None:
+        kv_tokens = config.kv_cache_tokens
+    else:  # a tenth of the budget, enough for at least one full-length sequence
+        kv_tokens = min(config.max_num_seqs * max_len, max(max_len, budget_bytes // 10 // per_token))
+    elt = torch.empty((), dtype=dtype).element_size()
+    hidden = model_config.hidden_size
+    heads = model_config.num_attention_heads
+    tokens = MAX_PREFILL_TOKENS
+    activations = (
+        tokens * hidden * elt * 40  # residual stream, norms, q/k/v/o, MLP and expert intermediates
+        + heads * tokens * tokens * 4  # attention scores if the math path of SDPA is taken
+        + config.max_num_seqs * model_config.vocab_size * 4 * 3  # last-position logits and sampling
     )
+    return FixedCosts(weights, kv_tokens * per_token, activations, 2 * hi_expert_bytes, kv_tokens)
+
+
+def build_residency(config: EngineConfig, store: HostExpertStore, metrics: ExpertMetrics, device: torch.device,
+                    model, model_config, progress: bool = True):
+    """The residency core for `config.policy` on `device` under `config.gpu_memory_bytes`."""
+    mode, needs_lo = POLICY_MODES[config.policy]
+    lo = lo_precision_for(config)
+    budget_bytes = config.gpu_memory_bytes
+    if budget_bytes is None:
+        if device.type == "cpu" and mode != "all-lo":
+            return DirectResidency(store, metrics)  # host memory is device memory: nothing to move
+        budget_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9) if device.type == "cuda" else 1 << 62
+    if needs_lo and lo not in store.versions:
+        from ..store.prepare import ensure_precision
+
+        ensure_precision(store, config.model_path, lo, progress=progress)
+    hi_bytes = store.bytes_per_expert("hi")
+    lo_bytes = store.bytes_per_expert(lo) if lo in store.versions else 0
+    fixed = fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes)
+    top_k = getattr(model_config, "num_experts_per_tok", 1)
+    plan = plan_memory(
+        budget_bytes,
+        fixed,
+        num_experts_total=store.num_layers * store.num_experts,
+        hi_slot_bytes=hi_bytes,
+        lo_slot_bytes=lo_bytes or hi_bytes,
+        min_hi_slots=top_k,
+        mode=mode,
+    )
+    tracker = BudgetTracker(budget_bytes)
+    tracker.reserve(fixed.total, "fixed", "the fixed part (weights, KV cache, activations)")
+    transfer = (
+        CudaTransfer(device)
+        if device.type == "cuda"
+        else CpuTransfer(config.extra.get("cpu_bandwidth_bytes_per_s"), poison=config.extra.get("poison", False))
+    )
+    on_miss = "lo" if config.policy == "dynaexq" else config.on_miss
+    options = ResidencyOptions(mode=mode, lo_precision=lo, on_miss=on_miss)
+    manager = ResidencyManager(store, metrics, plan, tracker, transfer, device, options)
+    preload = {"all-hi": "hi", "all-lo": "lo", "lo+hi": "lo"}.get(mode)
+    if preload:
+        n = plan.hi_slots if preload == "hi" else plan.lo_slots
+        with tqdm(total=n, desc=f"placing {preload} experts", unit="expert", disable=not progress, leave=False) as bar:
+            manager.preload(preload, progress=bar)
+    return manager
+
+
+__all__ = ["build_residency", "ResidencyManager", "ResidencyOptions", "BudgetTracker", "MemoryPlan",
+           "ExpertMetrics", "DirectResidency", "POLICY_MODES"]

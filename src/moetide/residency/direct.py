@@ -48,7 +48,7 @@ class DirectResidency:
     def begin_iteration(self, iteration: int) -> None:
         pass
 
-    def acquire(self, layer: int, experts: list[int], device: torch.device) -> dict[int, ResolvedExpert]:
+    def acquire(self, layer: int, experts: list[int], device: torch.device) -> tuple[dict[int, ResolvedExpert], list]:
         counters = self.metrics.layers[layer]
         counters.used += len(experts)
         resolved = {}
@@ -65,7 +65,7 @@ class DirectResidency:
         if device.type == "cuda" and counters.misses:
             torch.cuda.current_stream(device).synchronize()  # the copies above are the stall
         counters.stall_s += time.perf_counter() - start if device.type == "cuda" else 0.0
-        return resolved
+        return resolved, []
 
     def release(self, layer: int, experts: list[int]) -> None:
         pass

@@ -1,0 +1,147 @@
+"""The memory budget: `M_total = M_fixed + expert pools`, checked at start and on every expert slot.
+
+`M_fixed` = non-expert weights + KV-cache reservation + activation workspace + dequant scratch.
+What is left is split into a hi pool and a lo pool of fixed-size slots (see `MemoryPlan`). Every
+expert version that takes a slot first calls `BudgetTracker.try_reserve`; a failed reservation is
+deferred or triggers an eviction, never an allocation past the cap.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ..config import format_bytes
+from ..errors import BudgetError
+
+
+class BudgetTracker:
+    """Bytes reserved per category against a hard total. Thread-safe; O(1) per call."""
+
+    def __init__(self, total_bytes: int):
+        self.total_bytes = total_bytes
+        self.reserved: dict[str, int] = {}
+        self.peak_bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.reserved.values())
+
+    def try_reserve(self, nbytes: int, category: str) -> bool:
+        """Reserve `nbytes` under `category` if it fits; False (nothing reserved) otherwise."""
+        with self._lock:
+            used = sum(self.reserved.values())
+            if used + nbytes > self.total_bytes:
+                return False
+            self.reserved[category] = self.reserved.get(category, 0) + nbytes
+            self.peak_bytes = max(self.peak_bytes, used + nbytes)
+            return True
+
+    def reserve(self, nbytes: int, category: str, what: str) -> None:
+        """`try_reserve` that raises a BudgetError naming what did not fit."""
+        if not self.try_reserve(nbytes, category):
+            raise BudgetError(
+                f"{what} needs {format_bytes(nbytes)} but only {format_bytes(self.total_bytes - self.used_bytes)}"
+                f" of the {format_bytes(self.total_bytes)} budget is left"
+            )
+
+    def release(self, nbytes: int, category: str) -> None:
+        with self._lock:
+            left = self.reserved.get(category, 0) - nbytes
+            if left < 0:
+                raise RuntimeError(f"released more {category} bytes than reserved")
+            self.reserved[category] = left
+
+
+@dataclass(frozen=True)
+class FixedCosts:
+    """`M_fixed`, itemised (bytes)."""
+
+    non_expert_weights: int
+    kv_cache: int
+    activations: int
+    dequant_scratch: int
+    kv_cache_tokens: int = 0  # what the KV reservation holds, for the engine's admission control
+
+    @property
+    def total(self) -> int:
+        return self.non_expert_weights + self.kv_cache + self.activations + self.dequant_scratch
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How the budget is split: fixed costs, then `hi_slots` and `lo_slots` expert slots."""
+
+    budget_bytes: int
+    fixed: FixedCosts
+    hi_slot_bytes: int
+    lo_slot_bytes: int
+    hi_slots: int
+    lo_slots: int
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.hi_slots * self.hi_slot_bytes + self.lo_slots * self.lo_slot_bytes
+
+    def describe(self) -> str:
+        f = self.fixed
+        return (
+            f"budget {format_bytes(self.budget_bytes)}: fixed {format_bytes(f.total)} (weights"
+            f" {format_bytes(f.non_expert_weights)}, KV {format_bytes(f.kv_cache)}, activations"
+            f" {format_bytes(f.activations)}, dequant {format_bytes(f.dequant_scratch)}); experts: {self.hi_slots} hi"
+            f" slots x {format_bytes(self.hi_slot_bytes)} + {self.lo_slots} lo slots x {format_bytes(self.lo_slot_bytes)}"
+        )
+
+
+def plan_memory(
+    budget_bytes: int,
+    fixed: FixedCosts,
+    *,
+    num_experts_total: int,
+    hi_slot_bytes: int,
+    lo_slot_bytes: int,
+    min_hi_slots: int,
+    mode: str,
+) -> MemoryPlan:
+    """Split the budget left after `fixed` into expert slots.
+
+    mode:
+        "all-hi"   every expert resident in hi (no-offload): error if they do not fit.
+        "all-lo"   every expert resident in lo (static-int4/int2): error if they do not fit.
+        "hi-cache" all expert memory is a hi cache (on-demand, lru, finemoe, moe-infinity).
+        "lo+hi"    every expert resident in lo, the rest a hi cache (dynaexq, combined); if lo does
+                   not fit whole, it becomes a lo cache of what fits beside `min_hi_slots` hi slots.
+    """
+    left = budget_bytes - fixed.total
+    need_min = min_hi_slots * hi_slot_bytes if mode != "all-lo" else min_hi_slots * lo_slot_bytes
+    if left < need_min:
+        raise BudgetError(
+            f"--gpu-memory {format_bytes(budget_bytes)} is too small: the fixed part alone needs"
+            f" {format_bytes(fixed.total)} and the experts at least {format_bytes(need_min)};"
+            f" the minimum is {format_bytes(fixed.total + need_min)}"
+        )
+    if mode == "all-hi":
+        need = num_experts_total * hi_slot_bytes
+        if need > left:
+            raise BudgetError(
+                f"no-offload needs {format_bytes(fixed.total + need)} for all experts in bf16 but --gpu-memory is"
+                f" {format_bytes(budget_bytes)}; raise it or choose an offloading policy"
+            )
+        return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, num_experts_total, 0)
+    if mode == "all-lo":
+        need = num_experts_total * lo_slot_bytes
+        if need > left:
+            raise BudgetError(
+                f"all experts in lo precision need {format_bytes(fixed.total + need)} but --gpu-memory is"
+                f" {format_bytes(budget_bytes)}; use int2, a larger budget or an offloading policy"
+            )
+        return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, 0, num_experts_total)
+    if mode == "hi-cache":
+        hi = min(num_experts_total, left // hi_slot_bytes)
+        return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, hi, 0)
+    if mode == "lo+hi":
+        lo = min(num_experts_total, (left - min_hi_slots * hi_slot_bytes) // lo_slot_bytes)
+        hi = min(num_experts_total, (left - lo * lo_slot_bytes) // hi_slot_bytes)
+        return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, hi, lo)
+    raise ValueError(f"unknown memory mode {mode!r}")

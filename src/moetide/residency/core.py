@@ -1,0 +1,357 @@
+"""The residency core: handles, pools, budget and copies, driven by policies, used by the forward pass.
+
+All state changes happen on the forward thread, inside `acquire` (start of each MoE layer), so no
+lock guards the handles. Policies (possibly on their own threads) only enqueue requests through the
+`ExpertSink` methods; `acquire` drains them, issues at most `max_background_copies` of them per
+layer (the migration rate limit), and then makes the layer's experts resident:
+
+    hit            the wanted version is published                   -> use it
+    late prefetch  a prefetch copy is in flight                      -> wait for its event (stall)
+    lo on miss     hi missing, lo published, on_miss == "lo"        -> run lo (no stall)
+    miss           nothing usable                                     -> demand copy (stall)
+
+Slots are taken from fixed pools after `BudgetTracker.try_reserve`; when a pool is full the least
+recently used version that is neither in use nor protected (predicted for this iteration) is
+evicted. A slot goes back to its free list only after the compute that last read it has finished.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import BudgetError
+from ..store.host_store import HostExpertStore, hi_views
+from .budget import BudgetTracker, MemoryPlan
+from .handles import DeviceVersion, ExpertHandle
+from .metrics import ExpertMetrics
+from .pool import SlotPool
+from .transfer import PRIORITY_DEMAND, PRIORITY_MIGRATION, PRIORITY_PREFETCH
+
+
+@dataclass(frozen=True)
+class ResidencyOptions:
+    """Behaviour of the core for one policy.
+
+    mode: memory mode of `plan_memory` ("all-hi", "all-lo", "hi-cache", "lo+hi").
+    lo_precision: precision of lo versions ("int4" or "int2").
+    on_miss: "stall" (load the demand precision) or "lo" (run a published lo version instead).
+    max_background_copies: prefetch/promotion copies issued per layer at most (migration rate limit).
+    protect_iterations: a `protect` request holds for this many iterations.
+    """
+
+    mode: str = "hi-cache"
+    lo_precision: str = "int4"
+    on_miss: str = "stall"
+    max_background_copies: int = 8
+    protect_iterations: int = 1
+
+
+class ResidencyManager:
+    """Where each expert version lives; implements `ExpertSink` for the policies."""
+
+    def __init__(
+        self,
+        store: HostExpertStore,
+        metrics: ExpertMetrics,
+        plan: MemoryPlan,
+        budget: BudgetTracker,
+        transfer,
+        device: torch.device,
+        options: ResidencyOptions,
+    ):
+        self.store = store
+        self.metrics = metrics
+        self.plan = plan
+        self.budget = budget
+        self.transfer = transfer
+        self.device = device
+        self.options = options
+        self.pools = {
+            "hi": SlotPool("hi", plan.hi_slots, plan.hi_slot_bytes, device),
+            "lo": SlotPool("lo", plan.lo_slots, plan.lo_slot_bytes, device),
+        }
+        self.handles = [[ExpertHandle(l, e) for e in range(store.num_experts)] for l in range(store.num_layers)]
+        self._lru = {"hi": OrderedDict(), "lo": OrderedDict()}  # (layer, expert) -> None, oldest first
+        self._pending_free: deque = deque()  # (pool, slot, handle, event) waiting for their readers
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._prefetch_queue: deque = deque()  # (iteration, layer, expert)
+        self._precision_queue: OrderedDict = OrderedDict()  # (layer, expert) -> "hi" | "lo"
+        self._protected: dict[tuple[int, int], int] = {}  # (layer, expert) -> iteration
+        self.iteration = 0
+        self._tick = 0
+        if options.mode == "lo+hi" or options.mode == "all-lo":
+            for row in self.handles:
+                for h in row:
+                    h.target = "lo"
+
+    # -- ExpertSink (any thread; never blocks) -----------------------------------------------------
+    def prefetch(self, layer: int, experts: list[int], *, iteration: int) -> None:
+        self._requests.put(("prefetch", layer, tuple(experts), iteration))
+
+    def protect(self, layer: int, experts: list[int], *, iteration: int) -> None:
+        self._requests.put(("protect", layer, tuple(experts), iteration))
+
+    def set_precision(self, layer: int, expert: int, precision: str) -> None:
+        self._requests.put(("precision", layer, expert, "hi" if precision == "hi" else "lo"))
+
+    # -- iteration bookkeeping ----------------------------------------------------------------------
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+        stale = self.iteration - self.options.protect_iterations
+        self._protected = {k: it for k, it in self._protected.items() if it > stale}
+
+    def _drain_requests(self) -> None:
+        while True:
+            try:
+                kind, layer, what, arg = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "prefetch":
+                self._prefetch_queue.extend((arg, layer, e) for e in what)
+                self.metrics.bump("prefetches_issued", len(what))
+            elif kind == "protect":
+                for e in what:
+                    self._protected[(layer, e)] = arg
+            else:
+                self._precision_queue[(layer, what)] = arg
+
+    # -- slots ------------------------------------------------------------------------------------------
+    def _reclaim(self, wait_for_one: bool = False) -> bool:
+        """Return slots whose last readers finished to their free lists; optionally wait for the oldest."""
+        freed = False
+        for _ in range(len(self._pending_free)):
+            pool, slot, handle, event = self._pending_free[0]
+            if event is not None and not event.query():
+                if not (wait_for_one and not freed):
+                    break
+                start = time.perf_counter()
+                event.synchronize()
+                self.metrics.layers[handle.layer].stall_s += time.perf_counter() - start
+            self._pending_free.popleft()
+            self.pools[pool].give(slot)
+            self.budget.release(self.pools[pool].slot_bytes, f"expert_{pool}")
+            handle.evicting -= 1
+            freed = True
+        return freed
+
+    def _evict(self, handle: ExpertHandle, pool: str) -> None:
+        version = handle.versions.pop(pool)
+        self._lru[pool].pop((handle.layer, handle.expert), None)
+        handle.evicting += 1
+        self._pending_free.append((pool, version.slot, handle, version.last_read))
+        self.metrics.bump("evictions")
+        if pool == "hi" and handle.target == "lo" and handle.published("lo") is not None:
+            self.metrics.bump("demotions")
+
+    def _victim(self, pool: str, *, protect_all: bool) -> ExpertHandle | None:
+        """Least recently used evictable version in `pool` (published, not in use, not protected when
+        `protect_all`). In the hi pool of the lo+hi mode, versions the precision policy wants cold
+        (target lo) go first."""
+        prefer_cold = pool == "hi" and self.options.mode == "lo+hi"
+        fallback = None
+        for layer, expert in self._lru[pool]:
+            h = self.handles[layer][expert]
+            if h.in_use or (protect_all and (layer, expert) in self._protected):
+                continue
+            if not h.versions[pool].published:
+                continue
+            if not prefer_cold or h.target == "lo":
+                return h
+            if fallback is None:
+                fallback = h
+        return fallback
+
+    def _take_slot(self, pool: str, *, may_evict: bool, may_wait: bool) -> int | None:
+        p = self.pools[pool]
+        if p.num_slots == 0:
+            return None
+        self._reclaim()
+        for _ in range(3):
+            slot = p.take()
+            if slot is not None:
+                if self.budget.try_reserve(p.slot_bytes, f"expert_{pool}"):
+                    return slot
+                p.give(slot)
+                return None
+            if may_evict:
+                victim = self._victim(pool, protect_all=True) or (self._victim(pool, protect_all=False) if may_wait else None)
+                if victim is not None:
+                    self._evict(victim, pool)
+            if not self._reclaim(wait_for_one=may_wait):
+                return None
+        return None
+
+    # -- copies -----------------------------------------------------------------------------------------
+    def _precision_of(self, pool: str) -> str:
+        return "hi" if pool == "hi" else self.options.lo_precision
+
+    def _start_copy(self, handle: ExpertHandle, pool: str, slot: int, priority: int) -> DeviceVersion:
+        precision = self._precision_of(pool)
+        src = self.store.buffer(handle.layer, handle.expert, precision)
+        dst = self.pools[pool].buffer(slot)[: src.numel()]
+        event = self.transfer.copy(dst, src, priority)
+        self.metrics.add_copy(src.numel())
+        if precision == "hi":
+            views, meta = hi_views(dst, self.store.shape), None
+        else:
+            from ..store import quant
+
+            meta = self.store.meta[precision]
+            views = quant.expert_views(dst, meta)
+        version = DeviceVersion(pool, precision, slot, event, views, meta)
+        handle.versions[pool] = version
+        self._lru[pool][(handle.layer, handle.expert)] = None
+        return version
+
+    def _publish_if_ready(self, version: DeviceVersion) -> bool:
+        if not version.published and version.ready.query():
+            version.published = True
+        return version.published
+
+    def _issue_background(self) -> None:
+        """Issue queued prefetches, then precision changes, up to the per-layer rate limit."""
+        budget = self.options.max_background_copies
+        stale = self.iteration - 1
+        while budget > 0 and self._prefetch_queue:
+            iteration, layer, expert = self._prefetch_queue.popleft()
+            if iteration < stale:
+                continue
+            h = self.handles[layer][expert]
+            pool = "hi" if self.pools["hi"].num_slots else "lo"
+            if pool in h.versions:
+                self._touch(h, pool)
+                continue
+            slot = self._take_slot(pool, may_evict=True, may_wait=False)
+            if slot is None:
+                self.metrics.bump("deferred")
+                continue
+            self._start_copy(h, pool, slot, PRIORITY_PREFETCH).prefetched = True
+            budget -= 1
+        while budget > 0 and self._precision_queue:
+            (layer, expert), target = self._precision_queue.popitem(last=False)
+            h = self.handles[layer][expert]
+            h.target = target
+            if target == "hi" and "hi" not in h.versions and self.pools["hi"].num_slots:
+                slot = self._take_slot("hi", may_evict=True, may_wait=False)
+                if slot is None:  # admission control: no reservation, no copy; lo keeps serving
+                    self.metrics.bump("deferred")
+                    continue
+                self._start_copy(h, "hi", slot, PRIORITY_MIGRATION)
+                self.metrics.bump("promotions")
+                budget -= 1
+            elif target == "lo" and "hi" in h.versions and h.published("lo") is not None and not h.in_use:
+                self._evict(h, "hi")
+
+    def _touch(self, handle: ExpertHandle, pool: str) -> None:
+        self._tick += 1
+        handle.versions[pool].last_use = self._tick
+        self._lru[pool].move_to_end((handle.layer, handle.expert))
+
+    # -- the forward pass's side --------------------------------------------------------------------------
+    def acquire(self, layer: int, experts: list[int], device: torch.device) -> tuple[dict[int, DeviceVersion], list[int]]:
+        """Make `experts` of `layer` usable. Returns `(resolved {e: version}, not yet resolved)`;
+        the second list is non-empty only when the pools cannot hold all of them at once (the caller
+        computes what it got, releases it, and asks again)."""
+        self._drain_requests()
+        self._issue_background()
+        counters = self.metrics.layers[layer]
+        resolved: dict[int, DeviceVersion] = {}
+        remaining: list[int] = []
+        demand_pool = "lo" if self.options.mode == "all-lo" else "hi"
+        for e in experts:
+            h = self.handles[layer][e]
+            version = self._usable(h, demand_pool, counters)
+            if version is None:
+                pool = demand_pool
+                if self.options.on_miss == "lo" and demand_pool == "hi" and self.pools["lo"].num_slots:
+                    pool = "lo"  # a lo copy is 4-8x smaller than hi: the cheaper stall
+                slot = self._take_slot(pool, may_evict=True, may_wait=True)
+                if slot is None:
+                    remaining.append(e)
+                    continue
+                start = time.perf_counter()
+                version = self._start_copy(h, pool, slot, PRIORITY_DEMAND)
+                version.ready.synchronize()  # the stall: the layer cannot run without this expert
+                version.published = True
+                counters.stall_s += time.perf_counter() - start
+                counters.misses += 1
+            h.in_use += 1
+            version.uses += 1
+            self._touch(h, version.pool)
+            if version.pool == "lo" and demand_pool == "hi":
+                counters.lo_runs += 1
+            resolved[e] = version
+        counters.used += len(resolved)
+        self.metrics.peak_device_bytes = max(self.metrics.peak_device_bytes, self.budget.peak_bytes)
+        if not resolved and remaining:
+            raise BudgetError(f"no expert slot can be freed for layer {layer}: the memory budget is too small")
+        return resolved, remaining
+
+    def _usable(self, h: ExpertHandle, demand_pool: str, counters) -> DeviceVersion | None:
+        """A version of `h` to run now without a demand copy (counted as a hit); None on a miss."""
+        wanted = h.versions.get(demand_pool)
+        lo = h.published("lo") if demand_pool == "hi" else None
+        run_lo = lo is not None and self.options.on_miss == "lo"
+        if wanted is not None:
+            if not self._publish_if_ready(wanted):
+                if run_lo:  # its hi copy is still under way: run lo, never wait
+                    counters.hits += 1
+                    return lo
+                start = time.perf_counter()
+                wanted.ready.synchronize()  # late prefetch: wait for the copy already under way
+                wanted.published = True
+                counters.stall_s += time.perf_counter() - start
+            if wanted.prefetched:
+                wanted.prefetched = False
+                self.metrics.bump("prefetches_used")
+            counters.hits += 1
+            return wanted
+        if run_lo:
+            counters.hits += 1
+            return lo
+        return None
+
+    def release(self, layer: int, experts: list[int]) -> None:
+        """The layer's compute for `experts` has been issued: mark the end of their reads."""
+        marker = self.transfer.compute_marker()
+        for e in experts:
+            h = self.handles[layer][e]
+            h.in_use -= 1
+            for v in h.versions.values():
+                if v.published:
+                    v.last_read = marker
+
+    # -- set-up and reporting ---------------------------------------------------------------------------
+    def preload(self, pool: str, count: int | None = None, progress=None) -> None:
+        """Copy versions into `pool` up front (no-offload, static lo, the lo tier of dynaexq)."""
+        slots_left = self.pools[pool].num_slots if count is None else count
+        issued = []
+        for row in self.handles:
+            for h in row:
+                if slots_left <= 0:
+                    break
+                slot = self._take_slot(pool, may_evict=False, may_wait=False)
+                if slot is None:
+                    break
+                issued.append(self._start_copy(h, pool, slot, PRIORITY_MIGRATION))
+                slots_left -= 1
+                if progress is not None:
+                    progress.update(1)
+        for version in issued:
+            version.ready.synchronize()
+            version.published = True
+        self.metrics.reset()
+
+    def resident_counts(self) -> dict[str, int]:
+        counts = {"hi": 0, "lo": 0}
+        for pool, lru in self._lru.items():
+            counts[pool] = sum(1 for layer, e in lru if self.handles[layer][e].published(pool) is not None)
+        return counts
+
+    def close(self) -> None:
+        self.transfer.close()

@@ -1,0 +1,158 @@
+"""`moetide prepare`: build lo versions (int4/int2) of every expert once and cache them on disk.
+
+Cache layout: `<cache dir>/<precision>-<key>.safetensors` with one tensor `arena (L*E, nbytes)` uint8
+in the kernel-ready layout of `quant.expert_layout`, and the layout's parameters in the metadata.
+`key` hashes the checkpoint's shard names, sizes and modification times, the storage dtype, the
+precision and the quantization settings, so any change to the checkpoint invalidates the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from ..errors import CheckpointError
+from .host_store import HostExpertStore
+
+FORMAT_VERSION = 1
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+
+
+def default_cache_dir(checkpoint: Path) -> Path:
+    """`<checkpoint>/.moetide-cache` when writable, else `~/.cache/moetide/<hash of the path>`."""
+    local = checkpoint / ".moetide-cache"
+    if os.access(checkpoint, os.W_OK):
+        return local
+    digest = hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:16]
+    return Path(os.environ.get("MOETIDE_CACHE", Path.home() / ".cache" / "moetide")) / digest
+
+
+def cache_key(checkpoint: Path, precision: str, dtype: torch.dtype) -> str:
+    from . import quant
+
+    h = hashlib.sha256()
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        st = shard.stat()
+        h.update(f"{shard.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(f"{precision}:{_DTYPE_NAMES[dtype]}:{quant.DEFAULT_QUANT_METHOD}:{dict(quant.DEFAULT_GROUP_SIZE)}".encode())
+    h.update(f"v{FORMAT_VERSION}".encode())
+    return h.hexdigest()[:20]
+
+
+def cache_file(checkpoint: Path, precision: str, dtype: torch.dtype, cache_dir: Path | None = None) -> Path:
+    folder = cache_dir or default_cache_dir(checkpoint)
+    return folder / f"{precision}-{cache_key(checkpoint, precision, dtype)}.safetensors"
+
+
+def _meta_record(meta) -> dict[str, str]:
+    return {
+        "precision": meta.precision,
+        "dtype": _DTYPE_NAMES[meta.dtype],
+        "intermediate_size": str(meta.intermediate_size),
+        "hidden_size": str(meta.hidden_size),
+        "group_size_gate_up": str(meta.group_size_gate_up),
+        "group_size_down": str(meta.group_size_down),
+        "quant_method": meta.quant_method,
+        "nbytes": str(meta.nbytes),
+    }
+
+
+def _meta_from_record(record: dict[str, str]):
+    from . import quant
+
+    dtype = {v: k for k, v in _DTYPE_NAMES.items()}[record["dtype"]]
+    meta = quant.expert_layout(
+        record["precision"],
+        int(record["intermediate_size"]),
+        int(record["hidden_size"]),
+        dtype,
+        (int(record["group_size_gate_up"]), int(record["group_size_down"])),
+        record["quant_method"],
+    )
+    if meta.nbytes != int(record["nbytes"]):
+        raise CheckpointError("prepared cache was written by an incompatible moetide version; delete it")
+    return meta
+
+
+def load_cached(store: HostExpertStore, path: Path, precision: str) -> bool:
+    """Adopt a cached lo arena if one matches; False when there is none (or it is unreadable)."""
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            record = f.metadata() or {}
+            arena = f.get_tensor("arena")
+    except Exception:
+        return False  # a damaged cache is rebuilt, never trusted
+    store.load_precision(precision, arena, _meta_from_record(record))
+    return True
+
+
+def ensure_precision(store: HostExpertStore, checkpoint: Path, precision: str, *, progress: bool = True,
+                     cache_dir: Path | None = None, write_cache: bool = True) -> Path | None:
+    """Give `store` a `precision` version: from the disk cache, else by quantizing (and caching)."""
+    path = cache_file(checkpoint, precision, store.shape.dtype, cache_dir)
+    if load_cached(store, path, precision):
+        return path
+    total = store.num_layers * store.num_experts
+    with tqdm(total=total, desc=f"quantizing experts to {precision}", unit="expert", disable=not progress,
+              leave=False) as bar:
+        store.add_precision(precision, progress=bar)
+    if not write_cache:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({"arena": store.versions[precision]}, str(tmp), metadata=_meta_record(store.meta[precision]))
+        tmp.replace(path)
+    except OSError:
+        return None  # read-only location: the versions still live in memory for this run
+    return path
+
+
+def prepare(model_path: str, precisions: list[str], *, cache_dir: str | None = None, dtype: str = "bfloat16",
+            progress: bool = True) -> list[Path]:
+    """Read the checkpoint's experts into a host store and write each lo precision's cache."""
+    from ..models.loader import load_model
+
+    loaded = load_model(model_path, device="cpu", dtype=dtype, progress=progress)
+    written = []
+    for precision in precisions:
+        path = ensure_precision(loaded.store, loaded.info.path, precision, progress=progress,
+                                cache_dir=Path(cache_dir) if cache_dir else None)
+        if path is None:
+            raise CheckpointError(f"cannot write the prepared cache next to {loaded.info.path}; pass --cache-dir")
+        written.append(path)
+    return written
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("prepare", help="quantize every expert to int4/int2 once and cache it on disk")
+    p.add_argument("model", help="checkpoint directory")
+    p.add_argument("--lo", default="int4,int2", help="comma-separated lo precisions (int4, int2)")
+    p.add_argument("--cache-dir", default=None, help="where to write (default: <model>/.moetide-cache)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="storage dtype the versions are quantized from (bfloat16 = what CUDA runs)")
+    p.set_defaults(func=_cmd_prepare)
+
+
+def _cmd_prepare(args) -> int:
+    precisions = [p.strip() for p in args.lo.split(",") if p.strip()]
+    bad = [p for p in precisions if p not in ("int4", "int2")]
+    if bad or not precisions:
+        raise CheckpointError(f"--lo takes int4 and/or int2, got {args.lo!r}")
+    for path in prepare(args.model, precisions, cache_dir=args.cache_dir, dtype=args.dtype):
+        print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def cached_summary(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(json.dumps(f.metadata()))
