@@ -180,10 +180,25 @@ class ResidencyManager:
                 return None
             if may_evict:
                 victim = self._victim(pool, protect_all=True) or (self._victim(pool, protect_all=False) if may_wait else None)
+                if victim is None and may_wait:
+                    victim = self._finish_oldest_copy(pool)
                 if victim is not None:
                     self._evict(victim, pool)
             if not self._reclaim(wait_for_one=may_wait):
                 return None
+        return None
+
+    def _finish_oldest_copy(self, pool: str) -> ExpertHandle | None:
+        """Every slot holds a copy in flight: wait for the oldest, publish it, offer it for eviction."""
+        for layer, expert in self._lru[pool]:
+            h = self.handles[layer][expert]
+            v = h.versions[pool]
+            if not v.published and not h.in_use:
+                start = time.perf_counter()
+                v.ready.synchronize()
+                v.published = True
+                self.metrics.layers[layer].stall_s += time.perf_counter() - start
+                return h
         return None
 
     # -- copies -----------------------------------------------------------------------------------------
@@ -235,6 +250,8 @@ class ResidencyManager:
         while budget > 0 and self._precision_queue:
             (layer, expert), target = self._precision_queue.popitem(last=False)
             h = self.handles[layer][expert]
+            if self.options.mode != "lo+hi":
+                continue  # precision is fixed by the mode
             h.target = target
             if target == "hi" and "hi" not in h.versions and self.pools["hi"].num_slots:
                 slot = self._take_slot("hi", may_evict=True, may_wait=False)

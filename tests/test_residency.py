@@ -1,0 +1,262 @@
+"""Invariants of the residency core on the CPU backend (separate arena, copies on a worker thread,
+simulated bandwidth, poisoned slots), under random interleavings of forward passes, prefetches,
+promotions, demotions and evictions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moetide
+from moetide.compute.expert_compute import expert_mlp
+from moetide.errors import BudgetError
+from moetide.residency.budget import BudgetTracker, FixedCosts, plan_memory
+from moetide.residency.core import ResidencyManager, ResidencyOptions
+from moetide.residency.handles import HandleState
+from moetide.residency.metrics import ExpertMetrics
+from moetide.residency.transfer import CpuTransfer
+from moetide.store.host_store import ExpertShape, HostExpertStore
+
+LAYERS, EXPERTS, HIDDEN, INTER = 3, 8, 32, 32
+ACT = torch.nn.functional.silu
+
+
+def make_store(lo: str = "int4") -> HostExpertStore:
+    torch.manual_seed(0)
+    store = HostExpertStore(LAYERS, EXPERTS, ExpertShape(HIDDEN, INTER, torch.float32))
+    for layer in range(LAYERS):
+        for e in range(EXPERTS):
+            store.put_projection(layer, e, "gate", torch.randn(INTER, HIDDEN) * 0.1)
+            store.put_projection(layer, e, "up", torch.randn(INTER, HIDDEN) * 0.1)
+            store.put_projection(layer, e, "down", torch.randn(HIDDEN, INTER) * 0.1)
+    store.check_complete()
+    store.add_precision(lo)
+    return store
+
+
+STORE = make_store()
+
+
+def make_manager(mode: str, hi_slots: int, lo_slots: int, on_miss: str = "stall", bandwidth: float | None = 2e8):
+    hi_bytes, lo_bytes = STORE.bytes_per_expert("hi"), STORE.bytes_per_expert("int4")
+    fixed = FixedCosts(1000, 0, 0, 0)
+    budget = fixed.total + hi_slots * hi_bytes + lo_slots * lo_bytes
+    plan = plan_memory(budget, fixed, num_experts_total=LAYERS * EXPERTS, hi_slot_bytes=hi_bytes,
+                       lo_slot_bytes=lo_bytes, min_hi_slots=2 if mode != "all-lo" else 0, mode=mode)
+    tracker = BudgetTracker(budget)
+    tracker.reserve(fixed.total, "fixed", "fixed")
+    transfer = CpuTransfer(bandwidth_bytes_per_s=bandwidth, poison=True)
+    manager = ResidencyManager(STORE, ExpertMetrics(LAYERS), plan, tracker, transfer, torch.device("cpu"),
+                               ResidencyOptions(mode=mode, lo_precision="int4", on_miss=on_miss))
+    if mode in ("lo+hi", "all-lo"):
+        manager.preload("lo")
+    return manager
+
+
+def reference_output(x, layer, e, precision):
+    """The expert computed from the host store's version of `precision` (what the handle resolved to)."""
+    if precision == "hi":
+        v = STORE.views(layer, e, "hi")
+        return expert_mlp(x, v["gate_up"], v["down"], ACT)
+    from moetide.store import quant
+
+    gate_up, down = quant.dequantize(STORE.views(layer, e, precision), STORE.meta[precision], x.dtype)
+    return expert_mlp(x, gate_up, down, ACT)
+
+
+def run_forward(manager, layer, experts, x):
+    """Acquire in waves, compute each expert, compare with the reference, release."""
+    pending = sorted(set(experts))
+    while pending:
+        resolved, pending = manager.acquire(layer, pending, torch.device("cpu"))
+        for e, version in resolved.items():
+            assert version.published and version.ready.query()
+            if version.precision == "hi":
+                got = expert_mlp(x, version.views["gate_up"], version.views["down"], ACT)
+            else:
+                got = version.forward(x, ACT)
+            assert torch.isfinite(got).all(), "read a poisoned (partially written) slot"
+            torch.testing.assert_close(got, reference_output(x, layer, e, version.precision), rtol=0, atol=0)
+        manager.release(layer, list(resolved))
+
+
+def check_invariants(manager):
+    assert manager.budget.used_bytes <= manager.budget.total_bytes
+    for name, pool in manager.pools.items():
+        resident = sum(1 for row in manager.handles for h in row if name in h.versions)
+        pending = sum(1 for p, *_ in manager._pending_free if p == name)
+        assert resident + pending + pool.free_slots == pool.num_slots
+    for row in manager.handles:
+        for h in row:
+            assert h.in_use == 0
+            v = h.resolve()
+            if v is not None:
+                assert v.ready.query()
+            assert isinstance(h.state, HandleState)
+
+
+op = st.one_of(
+    st.tuples(st.just("forward"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=6)),
+    st.tuples(st.just("prefetch"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4)),
+    st.tuples(st.just("promote"), st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)),
+    st.tuples(st.just("demote"), st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)),
+    st.tuples(st.just("protect"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=3)),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from(["hi-cache", "lo+hi", "all-lo"]),
+    hi_slots=st.integers(2, 10),
+    on_miss=st.sampled_from(["stall", "lo"]),
+    ops=st.lists(op, min_size=1, max_size=25),
+)
+def test_random_interleavings_keep_every_invariant(mode, hi_slots, on_miss, ops):
+    manager = make_manager(mode, hi_slots if mode != "all-lo" else 0, LAYERS * EXPERTS if mode != "hi-cache" else 0,
+                           on_miss)
+    x = torch.randn(3, HIDDEN)
+    iteration = 0
+    try:
+        for kind, layer, arg in ops:
+            if kind == "forward":
+                iteration += 1
+                manager.begin_iteration(iteration)
+                run_forward(manager, layer, arg, x)
+            elif kind == "prefetch":
+                manager.prefetch(layer, arg, iteration=iteration)
+            elif kind == "protect":
+                manager.protect(layer, arg, iteration=iteration)
+            else:
+                manager.set_precision(layer, arg, "hi" if kind == "promote" else "lo")
+            check_invariants(manager)
+        # drain whatever is still queued through one more forward pass per layer
+        for layer in range(LAYERS):
+            run_forward(manager, layer, [0, 1], x)
+        check_invariants(manager)
+    finally:
+        manager.close()
+
+
+def test_prefetch_turns_a_miss_into_a_hit():
+    manager = make_manager("hi-cache", 4, 0)
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    manager.prefetch(1, [3, 5], iteration=1)
+    run_forward(manager, 0, [0], x)  # the prefetch is issued at this layer's start
+    run_forward(manager, 1, [3, 5], x)
+    m = manager.metrics
+    assert m.layers[1].hits == 2 and m.layers[1].misses == 0
+    assert m.prefetches_used == 2
+    manager.close()
+
+
+def test_protected_experts_are_not_evicted():
+    manager = make_manager("hi-cache", 3, 0)
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    run_forward(manager, 0, [0, 1, 2], x)  # pool full, LRU order 0, 1, 2
+    manager.protect(0, [0], iteration=1)
+    run_forward(manager, 0, [7], x)  # needs a slot: 0 is oldest but protected, 1 goes
+    resident = {e for e in range(EXPERTS) if "hi" in manager.handles[0][e].versions}
+    assert resident == {0, 2, 7}
+    manager.close()
+
+
+def test_promotion_is_published_only_after_its_copy_and_the_forward_pass_never_waits():
+    # a very slow copy engine: the promotion cannot finish while the forward pass runs
+    manager = make_manager("lo+hi", 4, LAYERS * EXPERTS, on_miss="lo", bandwidth=2e4)
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    manager.set_precision(0, 4, "hi")
+    resolved, _ = manager.acquire(0, [4], torch.device("cpu"))
+    h = manager.handles[0][4]
+    assert resolved[4].pool == "lo"  # still lo: the hi copy has not completed
+    assert h.state is HandleState.PROMOTING
+    manager.release(0, [4])
+    h.versions["hi"].ready.synchronize()
+    resolved, _ = manager.acquire(0, [4], torch.device("cpu"))
+    assert resolved[4].pool == "hi" and h.state is HandleState.RESIDENT_HI
+    manager.release(0, [4])
+    assert manager.metrics.promotions == 1 and manager.metrics.layers[0].stall_s < 0.05
+    manager.close()
+
+
+def test_promotion_is_deferred_when_no_slot_can_be_reserved():
+    manager = make_manager("lo+hi", 2, LAYERS * EXPERTS, on_miss="lo")
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    for e in range(4):
+        manager.set_precision(0, e, "hi")
+    manager.protect(0, [0, 1], iteration=1)
+    run_forward(manager, 0, [0, 1], x)
+    used = manager.budget.used_bytes
+    assert used <= manager.budget.total_bytes
+    assert manager.metrics.promotions == 2 and manager.metrics.deferred >= 2
+    manager.close()
+
+
+def test_demotion_frees_the_hi_slot():
+    manager = make_manager("lo+hi", 2, LAYERS * EXPERTS, on_miss="lo", bandwidth=None)
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    manager.set_precision(1, 6, "hi")
+    run_forward(manager, 0, [0], x)
+    manager.handles[1][6].versions["hi"].ready.synchronize()
+    manager.set_precision(1, 6, "lo")
+    run_forward(manager, 0, [0], x)
+    assert "hi" not in manager.handles[1][6].versions
+    assert manager.handles[1][6].state is HandleState.RESIDENT_LO
+    assert manager.metrics.demotions == 1
+    manager.close()
+
+
+def test_budget_too_small_for_the_fixed_part_names_the_minimum():
+    fixed = FixedCosts(10_000, 5_000, 5_000, 0)
+    with pytest.raises(BudgetError, match="minimum is"):
+        plan_memory(15_000, fixed, num_experts_total=10, hi_slot_bytes=1000, lo_slot_bytes=250, min_hi_slots=2,
+                    mode="hi-cache")
+    with pytest.raises(BudgetError, match="no-offload needs"):
+        plan_memory(30_000, fixed, num_experts_total=20, hi_slot_bytes=1000, lo_slot_bytes=250, min_hi_slots=2,
+                    mode="all-hi")
+
+
+@pytest.mark.parametrize("policy", ["no-offload", "on-demand", "combined", "dynaexq"])
+def test_hi_resident_outputs_equal_the_foundation(tiny_checkpoints, policy):
+    """With every expert hi-resident (or reached through hi copies), logits equal the reference."""
+    path, reference = tiny_checkpoints["qwen2_moe"]
+    llm = moetide.LLM(path, device="cpu", policy=policy, gpu_memory="64MiB", on_miss="stall")
+    if policy in ("combined", "dynaexq"):
+        res = llm.loaded.runtime.residency
+        for layer in range(len(llm.loaded.moe_layers)):
+            for e in range(res.store.num_experts):
+                res.set_precision(layer, e, "hi")
+        res.options = type(res.options)(**{**res.options.__dict__, "max_background_copies": 10_000})
+        res.acquire(0, [0], torch.device("cpu"))
+        res.release(0, [0])
+        for row in res.handles:
+            for h in row:
+                h.versions["hi"].ready.synchronize()
+    ids = torch.randint(5, 90, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(llm.loaded.model(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
+    if policy in ("combined", "dynaexq"):
+        assert llm.metrics.snapshot()["lo_runs"] == 0
+    llm.close()
+
+
+def test_impossible_budget_is_a_clear_error(qwen3_checkpoint):
+    with pytest.raises(BudgetError, match="too small"):
+        moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory="1MiB")
+    roomy = moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory="64MiB")
+    plan = roomy.loaded.runtime.residency.plan
+    roomy.close()
+    just_above_fixed = plan.fixed.total + 4 * plan.hi_slot_bytes  # room for 4 of the 16 experts
+    with pytest.raises(BudgetError, match="no-offload needs"):
+        moetide.LLM(qwen3_checkpoint, device="cpu", policy="no-offload", gpu_memory=just_above_fixed)
+    tight = moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory=just_above_fixed)
+    assert tight.loaded.runtime.residency.plan.hi_slots == 4
+    out = tight.generate([[5, 6, 7]], moetide.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and tight.metrics.evictions > 0
+    tight.close()
