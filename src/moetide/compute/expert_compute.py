@@ -17,14 +17,6 @@ import torch.nn.functional as F
 ActFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def distinct_experts(top_k_index: torch.Tensor) -> list[int]:
-    """Sorted distinct expert ids in `top_k_index (T, k)`.
-
-    NOTE: host sync — the residency core must know which experts to make resident.
-    """
-    return torch.unique(top_k_index).tolist()
-
-
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act_fn: ActFn) -> torch.Tensor:
     """One expert on its tokens: `x (t, H)` -> `(t, H)`; `down(act(gate(x)) * up(x))`."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
@@ -68,3 +60,46 @@ def combine_with_weights(
         return expert_mlp(x, gate_up, down, act_fn)
 
     return combine_experts(hidden, top_k_index, top_k_weights, run, sorted(weights))
+
+
+def grouped_moe(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    group_ids: torch.Tensor,
+    gate_up_all: torch.Tensor,
+    down_all: torch.Tensor,
+    act_fn: ActFn,
+) -> torch.Tensor:
+    """All of a layer's routed experts in two grouped matmuls, with no host sync: `(T, H)`.
+
+    group_ids (T, k): the group (a slot of `gate_up_all (G, 2I, H)` / `down_all (G, H, I)`) holding
+    each chosen expert. Token-expert pairs are sorted by group so that each group's rows are
+    contiguous; `offs` marks where each group's rows end (empty groups cost nothing).
+    """
+    k = top_k_index.shape[1]
+    flat = group_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=gate_up_all.shape[0]).cumsum(0).to(torch.int32)
+    return grouped_pairs(hidden, top_k_weights.reshape(-1).index_select(0, order), order // k, offs,
+                         gate_up_all, down_all, act_fn)
+
+
+def grouped_pairs(
+    hidden: torch.Tensor,
+    pair_weights: torch.Tensor,
+    pair_token: torch.Tensor,
+    offs: torch.Tensor,
+    gate_up_all: torch.Tensor,
+    down_all: torch.Tensor,
+    act_fn: ActFn,
+) -> torch.Tensor:
+    """Token-expert pairs already sorted by group: `pair_token (N,)` token of each pair,
+    `pair_weights (N,)` its routing weight, `offs (G,)` int32 end of each group's pairs. -> `(T, H)`."""
+    x = hidden.index_select(0, pair_token)
+    gate_up = F.grouped_mm(x, gate_up_all.transpose(1, 2), offs=offs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = F.grouped_mm(act_fn(gate) * up, down_all.transpose(1, 2), offs=offs)
+    y = y * pair_weights.unsqueeze(1).to(y.dtype)
+    out = torch.zeros_like(hidden)
+    return out.index_add_(0, pair_token, y.to(out.dtype))

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..policies.base import ExpertPolicy
 from ..residency.metrics import ExpertMetrics
-from .expert_compute import ActFn, combine_experts, distinct_experts, expert_mlp
+from .expert_compute import ActFn, combine_experts, expert_mlp, grouped_moe, grouped_pairs
 
 
 class ExpertRuntime:
@@ -64,17 +64,57 @@ class ExpertRuntime:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """Routed experts of one MoE layer: `hidden (T, H)` -> `(T, H)`."""
-        experts = distinct_experts(top_k_index)  # NOTE: host sync (counted)
+        static = self.residency.static_hi_groups(layer)
+        if static is not None:  # every expert resident at a fixed slot: no host sync at all
+            group_base, gate_up_all, down_all = static
+            self._publish_layer(layer, top_k_index)
+            if hidden.device.type == "cpu":  # counting is free where there is no device to sync with
+                used = int(torch.unique(top_k_index).numel())
+                self.metrics.layers[layer].used += used
+                self.metrics.layers[layer].hits += used
+            return grouped_moe(hidden, top_k_index, top_k_weights, top_k_index + group_base,
+                               gate_up_all, down_all, self.act_fn)
+        ids_cpu = top_k_index.cpu()  # NOTE: host sync (counted): residency must know the experts
         self.metrics.host_syncs += 1
+        experts = torch.unique(ids_cpu).tolist()
         self._publish_layer(layer, top_k_index)
         out = None
         pending = experts
         while pending:  # more than one wave only when the pools cannot hold all `experts` at once
             resolved, pending = self.residency.acquire(layer, pending, hidden.device)
             try:
-                part = combine_experts(hidden, top_k_index, top_k_weights, self._runner(resolved), sorted(resolved))
+                part = self._compute(hidden, top_k_index, ids_cpu, top_k_weights, resolved)
             finally:
                 self.residency.release(layer, list(resolved))
+            out = part if out is None else out + part
+        return out
+
+    def _compute(self, hidden, top_k_index, ids_cpu, top_k_weights, resolved) -> torch.Tensor:
+        """hi versions through one grouped matmul over the hi pool; lo versions one by one."""
+        hi = {e: v for e, v in resolved.items() if v.precision == "hi"}
+        lo = {e: v for e, v in resolved.items() if v.precision != "hi"}
+        pool_groups = self.residency.hi_pool_groups() if hi else None
+        out = None
+        if hi and pool_groups is not None:
+            gate_up_all, down_all = pool_groups
+            slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)
+            for e, v in hi.items():
+                slot_of[e] = v.slot
+            pair_slot = slot_of[ids_cpu].reshape(-1)
+            keep = (pair_slot >= 0).nonzero().squeeze(1)  # CPU tensors: no device sync
+            order = keep[torch.argsort(pair_slot[keep], stable=True)]
+            offs = torch.bincount(pair_slot[order], minlength=gate_up_all.shape[0]).cumsum(0).to(torch.int32)
+            k = ids_cpu.shape[1]
+            dev = hidden.device
+            order_dev = order.to(dev, non_blocking=True)
+            out = grouped_pairs(hidden, top_k_weights.reshape(-1).index_select(0, order_dev),
+                                (order // k).to(dev, non_blocking=True), offs.to(dev, non_blocking=True),
+                                gate_up_all, down_all, self.act_fn)
+            rest = lo
+        else:
+            rest = resolved
+        if rest:
+            part = combine_experts(hidden, top_k_index, top_k_weights, self._runner(rest), sorted(rest))
             out = part if out is None else out + part
         return out
 

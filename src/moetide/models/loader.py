@@ -177,7 +177,7 @@ def load_model(
     if residency_factory is None:
         from ..residency.direct import DirectResidency
 
-        runtime.residency = DirectResidency(store, metrics)
+        runtime.residency = DirectResidency(store, metrics, dev.type)
     else:
         runtime.residency = residency_factory(store, metrics, dev, model, config)
     _install_hooks(model, blocks, adapter, runtime)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BudgetError
-from ..store.host_store import HostExpertStore, hi_views
+from ..store.host_store import HostExpertStore, hi_group_views, hi_views
 from .budget import BudgetTracker, MemoryPlan
 from .handles import DeviceVersion, ExpertHandle
 from .metrics import ExpertMetrics
@@ -84,6 +84,8 @@ class ResidencyManager:
         self._protected: dict[tuple[int, int], int] = {}  # (layer, expert) -> iteration
         self.iteration = 0
         self._tick = 0
+        self._hi_groups = None
+        self._static_hi = False
         if options.mode == "lo+hi" or options.mode == "all-lo":
             for row in self.handles:
                 for h in row:
@@ -363,6 +365,25 @@ class ResidencyManager:
             version.ready.synchronize()
             version.published = True
         self.metrics.reset()
+        E = self.store.num_experts
+        self._static_hi = self.options.mode == "all-hi" and all(
+            h.versions["hi"].slot == h.layer * E + h.expert for row in self.handles for h in row if "hi" in h.versions
+        ) and len(issued) == self.store.num_layers * E
+
+    def hi_pool_groups(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The hi pool as grouped weights `gate_up (S, 2I, H)`, `down (S, H, I)`, one group per slot."""
+        if self.pools["hi"].num_slots == 0:
+            return None
+        if self._hi_groups is None:
+            self._hi_groups = hi_group_views(self.pools["hi"].arena, self.store.shape)
+        return self._hi_groups
+
+    def static_hi_groups(self, layer: int):
+        """`(first group of the layer, gate_up, down)` when every expert is hi-resident at slot
+        layer*E + e for good (no-offload): the forward pass then needs no host sync."""
+        if not self._static_hi:
+            return None
+        return (layer * self.store.num_experts, *self.hi_pool_groups())
 
     def resident_counts(self) -> dict[str, int]:
         counts = {"hi": 0, "lo": 0}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..store.host_store import HostExpertStore, hi_views
+from ..store.host_store import HostExpertStore, hi_group_views, hi_views
 from .metrics import ExpertMetrics
 
 
@@ -41,9 +41,11 @@ class ResolvedExpert:
 class DirectResidency:
     """No cache: fetch every needed expert each step. Counts bytes and stall time."""
 
-    def __init__(self, store: HostExpertStore, metrics: ExpertMetrics):
+    def __init__(self, store: HostExpertStore, metrics: ExpertMetrics, device_type: str = "cpu"):
         self.store = store
         self.metrics = metrics
+        self.device_type = device_type
+        self._groups = None
 
     def begin_iteration(self, iteration: int) -> None:
         pass
@@ -69,6 +71,18 @@ class DirectResidency:
 
     def release(self, layer: int, experts: list[int]) -> None:
         pass
+
+    def static_hi_groups(self, layer: int):
+        """On the CPU the store is the device memory: every expert sits at row layer*E + e."""
+        arena = self.store.versions["hi"]
+        if arena.device.type != "cpu" or self.device_type != "cpu":
+            return None
+        if self._groups is None:
+            self._groups = hi_group_views(arena, self.store.shape)
+        return (layer * self.store.num_experts, *self._groups)
+
+    def hi_pool_groups(self):
+        return None
 
     def resident_counts(self) -> dict[str, int]:
         return {}

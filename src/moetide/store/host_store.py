@@ -45,6 +45,16 @@ def hi_views(buffer: torch.Tensor, shape: ExpertShape) -> dict[str, torch.Tensor
     }
 
 
+def hi_group_views(arena: torch.Tensor, shape: ExpertShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strided typed views of many hi buffers `arena (G, nbytes)` uint8 -> `gate_up (G, 2I, H)`,
+    `down (G, H, I)`: one group per row, no copy (the layout of `hi_views`, row by row)."""
+    typed = arena.view(shape.dtype)
+    split = 2 * shape.intermediate * shape.hidden
+    gate_up = typed[:, :split].view(arena.shape[0], 2 * shape.intermediate, shape.hidden)
+    down = typed[:, split : split + shape.hidden * shape.intermediate].view(arena.shape[0], shape.hidden, shape.intermediate)
+    return gate_up, down
+
+
 class HostExpertStore:
     """Versions of every (layer, expert) in host memory.
 
