@@ -19,7 +19,7 @@ from torch import nn
 
 from ..policies.base import ExpertPolicy
 from ..residency.metrics import ExpertMetrics
-from .expert_compute import ActFn, combine_experts, expert_mlp, grouped_moe, grouped_pairs
+from .expert_compute import ActFn, grouped_moe, grouped_pairs
 
 
 class ExpertRuntime:
@@ -90,44 +90,47 @@ class ExpertRuntime:
         return out
 
     def _compute(self, hidden, top_k_index, ids_cpu, top_k_weights, resolved) -> torch.Tensor:
-        """hi versions through one grouped matmul over the hi pool; lo versions one by one."""
-        hi = {e: v for e, v in resolved.items() if v.precision == "hi"}
-        lo = {e: v for e, v in resolved.items() if v.precision != "hi"}
+        """hi versions: one grouped matmul over the hi pool's slots. lo versions: dequantized, at
+        most `top_k` at a time (the dequant scratch of the budget), each chunk one grouped matmul."""
+        hi = {e: v.slot for e, v in resolved.items() if v.precision == "hi"}
+        lo = [e for e, v in resolved.items() if v.precision != "hi"]
+        out = torch.zeros_like(hidden)
         pool_groups = self.residency.hi_pool_groups() if hi else None
-        out = None
         if hi and pool_groups is not None:
-            gate_up_all, down_all = pool_groups
-            slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)
-            for e, v in hi.items():
-                slot_of[e] = v.slot
-            pair_slot = slot_of[ids_cpu].reshape(-1)
-            keep = (pair_slot >= 0).nonzero().squeeze(1)  # CPU tensors: no device sync
-            order = keep[torch.argsort(pair_slot[keep], stable=True)]
-            offs = torch.bincount(pair_slot[order], minlength=gate_up_all.shape[0]).cumsum(0).to(torch.int32)
-            k = ids_cpu.shape[1]
-            dev = hidden.device
-            order_dev = order.to(dev, non_blocking=True)
-            out = grouped_pairs(hidden, top_k_weights.reshape(-1).index_select(0, order_dev),
-                                (order // k).to(dev, non_blocking=True), offs.to(dev, non_blocking=True),
-                                gate_up_all, down_all, self.act_fn)
-            rest = lo
-        else:
-            rest = resolved
-        if rest:
-            part = combine_experts(hidden, top_k_index, top_k_weights, self._runner(rest), sorted(rest))
-            out = part if out is None else out + part
+            self._grouped_into(out, hidden, ids_cpu, top_k_weights, hi, *pool_groups)
+        elif hi:
+            lo = sorted(resolved)  # no pool to group over (direct residency on a GPU): dequant path
+        for start in range(0, len(lo), self.top_k):
+            chunk = lo[start : start + self.top_k]
+            weights = [self._dense_weights(resolved[e], hidden.dtype) for e in chunk]
+            gate_up_all = torch.stack([w[0] for w in weights])
+            down_all = torch.stack([w[1] for w in weights])
+            self._grouped_into(out, hidden, ids_cpu, top_k_weights, {e: i for i, e in enumerate(chunk)},
+                               gate_up_all, down_all)
         return out
 
-    def _runner(self, resolved):
-        act = self.act_fn
+    @staticmethod
+    def _dense_weights(version, dtype):
+        if version.precision == "hi":
+            return version.views["gate_up"], version.views["down"]
+        from ..store import quant
 
-        def run(e: int, x: torch.Tensor) -> torch.Tensor:
-            version = resolved[e]
-            if version.precision == "hi":
-                return expert_mlp(x, version.views["gate_up"], version.views["down"], act)
-            return version.forward(x, act)
+        return quant.dequantize(version.views, version.meta, dtype)
 
-        return run
+    def _grouped_into(self, out, hidden, ids_cpu, top_k_weights, group_of: dict[int, int], gate_up_all, down_all):
+        """Add the experts in `group_of` (expert -> group of the weight tensors) to `out (T, H)`.
+        Pairs are selected and sorted on the host (the ids are already there), so no device sync."""
+        lookup = torch.full((self.num_experts,), -1, dtype=torch.long)
+        lookup[list(group_of)] = torch.tensor(list(group_of.values()), dtype=torch.long)
+        pair_group = lookup[ids_cpu].reshape(-1)
+        keep = (pair_group >= 0).nonzero().squeeze(1)
+        order = keep[torch.argsort(pair_group[keep], stable=True)]
+        offs = torch.bincount(pair_group[order], minlength=gate_up_all.shape[0]).cumsum(0).to(torch.int32)
+        dev = hidden.device
+        order_dev = order.to(dev, non_blocking=True)
+        out += grouped_pairs(hidden, top_k_weights.reshape(-1).index_select(0, order_dev),
+                             (order // ids_cpu.shape[1]).to(dev, non_blocking=True),
+                             offs.to(dev, non_blocking=True), gate_up_all, down_all, self.act_fn)
 
 
 class ManagedExperts(nn.Module):

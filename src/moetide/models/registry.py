@@ -51,6 +51,18 @@ class FamilyAdapter:
         role = {p: r for p, r in zip(self.proj_names, ("gate", "up", "down"), strict=True)}[m["proj"]]
         return int(m["layer"]), int(m["expert"]), role
 
+    def expert_checkpoint_key(self, layer: int, expert: int, role: str) -> str:
+        """The checkpoint name of one expert tensor (`role` in gate / up / down)."""
+        block = "block_sparse_moe" if self.checkpoint_renames else "mlp"
+        proj = self.proj_names[("gate", "up", "down").index(role)]
+        return f"model.layers.{layer}.{block}.experts.{expert}.{proj}.weight"
+
+    def checkpoint_key(self, model_key: str) -> str:
+        """Inverse of `model_key`: the checkpoint name of a non-expert model parameter."""
+        for old, new in reversed(self.checkpoint_renames):
+            model_key = model_key.replace(new, old)
+        return model_key
+
     def model_key(self, checkpoint_key: str) -> str:
         """The model's parameter name for a non-expert checkpoint tensor."""
         for old, new in self.checkpoint_renames:

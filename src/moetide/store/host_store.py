@@ -131,15 +131,22 @@ class HostExpertStore:
             )
 
     # -- lo versions -----------------------------------------------------------------------------------
-    def add_precision(self, precision: str, progress=None) -> None:
-        """Quantize every hi expert into a new `precision` arena ("int4" or "int2")."""
+    def add_precision(self, precision: str, progress=None, device: torch.device | str | None = None) -> None:
+        """Quantize every hi expert into a new `precision` arena ("int4" or "int2").
+
+        `device`: where the quantizer runs (CUDA is ~50x faster for large models; the result is the
+        same function of the weights, and lands in host memory either way).
+        """
         from . import quant
 
         arena = None
         for layer in range(self.num_layers):
             for expert in range(self.num_experts):
                 hi = self.views(layer, expert, "hi")
+                if device is not None:
+                    hi = {k: v.to(device, non_blocking=True) for k, v in hi.items()}
                 buf, meta = quant.pack_expert(hi["gate_up"], hi["down"], precision)
+                buf = buf.cpu()
                 if arena is None:
                     arena = self._allocate(precision, meta, buf.numel())
                 arena[self.row(layer, expert)].copy_(buf)

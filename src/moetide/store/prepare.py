@@ -104,7 +104,7 @@ def ensure_precision(store: HostExpertStore, checkpoint: Path, precision: str, *
     total = store.num_layers * store.num_experts
     with tqdm(total=total, desc=f"quantizing experts to {precision}", unit="expert", disable=not progress,
               leave=False) as bar:
-        store.add_precision(precision, progress=bar)
+        store.add_precision(precision, progress=bar, device="cuda" if torch.cuda.is_available() else None)
     if not write_cache:
         return None
     try:

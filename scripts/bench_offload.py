@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Issue 4's GPU measurement: batch-1 decode of an OLMoE-1B-7B-shaped random model (written as a
+real checkpoint) under moetide policies at a 4 GiB budget, beside transformers fully on the GPU and
+transformers + accelerate offload at the same cap, all in one run.
+
+    python scripts/bench_offload.py --out results/offload_olmoe.json [--shape olmoe-1b-7b] [--budget 4GiB]
+
+Random routers route near-uniformly (the hardest case for any predictor); this run measures the
+residency core, transfer and compute costs, not prediction quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moetide.bench.decode import bench_hf, bench_moetide
+from moetide.bench.synthetic import write_synthetic_checkpoint
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="olmoe-1b-7b")
+    ap.add_argument("--checkpoint", default="/tmp/moetide-synthetic")
+    ap.add_argument("--budget", default="4GiB")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--hf-offload-tokens", type=int, default=5)
+    ap.add_argument("--policies", default="no-offload,static-int4,static-int2,on-demand,combined")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    ckpt = Path(args.checkpoint) / args.shape
+    t0 = time.perf_counter()
+    if not (ckpt / "model.safetensors.index.json").is_file():
+        write_synthetic_checkpoint(args.shape, ckpt)
+    write_s = time.perf_counter() - t0
+    results = {
+        "shape": args.shape,
+        "budget": args.budget,
+        "machine": {
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "checkpoint_write_s": round(write_s, 1),
+        "command": " ".join(sys.argv),
+        "runs": [],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(r):
+        results["runs"].append(r)
+        out.write_text(json.dumps(results, indent=2))
+        tok_s = r.get("decode_tok_s")
+        print(f"{r['engine']:10s} {r.get('policy', r.get('experts_implementation', '')):14s} "
+              f"{str(r.get('gpu_memory')):6s} decode {tok_s or 0:8.2f} tok/s  peak {r['peak_gpu_bytes'] / 2**30:6.2f} GiB"
+              f"  load {r['load_s']:6.1f}s", flush=True)
+
+    if not args.skip_hf:
+        for impl in (None, "batched_mm"):
+            try:
+                record(bench_hf(ckpt, new_tokens=args.new_tokens, experts_implementation=impl))
+            except Exception as e:  # one baseline failing must not lose the others
+                print(f"hf {impl}: {type(e).__name__}: {e}", flush=True)
+    for policy in args.policies.split(","):
+        budget = None if policy == "no-offload" else args.budget
+        try:
+            record(bench_moetide(ckpt, policy, budget, new_tokens=args.new_tokens))
+        except Exception as e:
+            print(f"moetide {policy}: {type(e).__name__}: {e}", flush=True)
+            results["runs"].append({"engine": "moetide", "policy": policy, "gpu_memory": budget, "error": str(e)})
+    if not args.skip_hf:
+        try:
+            record(bench_hf(ckpt, offload_budget=args.budget, new_tokens=args.hf_offload_tokens))
+        except Exception as e:
+            print(f"hf-offload: {type(e).__name__}: {e}", flush=True)
+    out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

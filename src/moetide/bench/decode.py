@@ -1,0 +1,116 @@
+"""Batch-1 decode measurements of moetide policies and of transformers' own baselines, in one process.
+
+Every function returns a JSON-able dict: tokens/s of the decode phase (first token excluded), TPOT,
+TTFT, peak device memory (torch's allocator peak, i.e. everything this process allocated on the
+GPU) and, for moetide, the residency metrics.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from ..config import parse_bytes
+
+
+def _free_device() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_bytes() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (length,), generator=g).tolist()
+
+
+def bench_moetide(path, policy: str, gpu_memory: str | None, *, prompt_len: int = 32, new_tokens: int = 64,
+                  device: str | None = None, warmup_tokens: int = 4, **engine_kwargs) -> dict:
+    """Decode speed of one moetide policy at batch 1."""
+    import moetide
+
+    _free_device()
+    start = time.perf_counter()
+    llm = moetide.LLM(path, device=device, policy=policy, gpu_memory=gpu_memory, **engine_kwargs)
+    load_s = time.perf_counter() - start
+    vocab = llm.loaded.config.vocab_size
+    ids = prompt_ids(vocab, prompt_len)
+    llm.generate([ids], moetide.SamplingParams(max_tokens=warmup_tokens, temperature=0, ignore_eos=True))
+    llm.metrics.reset()
+    out = llm.generate([prompt_ids(vocab, prompt_len, seed=1)],
+                       moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))[0]
+    result = {
+        "engine": "moetide",
+        "policy": policy,
+        "gpu_memory": gpu_memory,
+        "budget_bytes": parse_bytes(gpu_memory),
+        "load_s": round(load_s, 2),
+        "ttft_s": out.ttft_s,
+        "tpot_s": out.tpot_s,
+        "decode_tok_s": 1.0 / out.tpot_s if out.tpot_s else None,
+        "new_tokens": len(out.token_ids),
+        "peak_gpu_bytes": _peak_bytes(),
+        "metrics": {k: v for k, v in llm.metrics.snapshot().items() if k != "per_layer"},
+        "resident": llm.loaded.runtime.residency.resident_counts(),
+        "plan": getattr(getattr(llm.loaded.runtime.residency, "plan", None), "describe", lambda: None)(),
+    }
+    llm.close()
+    del llm
+    _free_device()
+    return result
+
+
+def bench_hf(path, *, offload_budget: str | None = None, prompt_len: int = 32, new_tokens: int = 64,
+             experts_implementation: str | None = None) -> dict:
+    """transformers' own `generate`: fully on the GPU, or with accelerate offloading under a cap."""
+    from transformers import AutoModelForCausalLM
+
+    _free_device()
+    kwargs = {"dtype": torch.bfloat16}
+    if offload_budget is None:
+        kwargs["device_map"] = "cuda"
+    else:
+        kwargs["device_map"] = "auto"
+        kwargs["max_memory"] = {0: parse_bytes(offload_budget), "cpu": 200 << 30}
+    if experts_implementation:
+        kwargs["experts_implementation"] = experts_implementation
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    load_s = time.perf_counter() - start
+    vocab = model.config.vocab_size
+    ids = torch.tensor([prompt_ids(vocab, prompt_len, seed=1)], device="cuda")
+    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=2)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, **gen)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **gen)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    ttft = t1 - t0
+    tpot = ((t2 - t1) - ttft) / (new_tokens - 1)
+    result = {
+        "engine": "hf-offload" if offload_budget else "hf",
+        "gpu_memory": offload_budget,
+        "experts_implementation": experts_implementation or "default",
+        "load_s": round(load_s, 2),
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "decode_tok_s": 1.0 / tpot if tpot > 0 else None,
+        "new_tokens": new_tokens,
+        "peak_gpu_bytes": _peak_bytes(),
+    }
+    del model
+    _free_device()
+    return result
