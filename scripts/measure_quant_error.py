@@ -6,6 +6,7 @@ For an expert of the given shape (default OLMoE: H=2048, I=1024) with synthetic 
   output_err  relative error of the expert output on random inputs x ~ N(0, 1) (T tokens), in fp32,
               against the unquantized expert: the number that matters for model quality
   bits/w      stored bits per weight, scales and offsets included
+  quant_s     seconds to quantize one expert (gate_up + down) on this machine
 Median over --seeds experts. Writes a JSON list of rows to --json if given.
 
     python scripts/measure_quant_error.py --json out/quant_error.json
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -65,7 +67,7 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 def measure(args: argparse.Namespace) -> list[dict]:
     rows = []
     intermediate, hidden = args.intermediate_size, args.hidden_size
-    configs = [(b, g, m, torch.float16) for b in (4, 2) for g in (32, 64, 128) for m in ("rtn", "hqq")]
+    configs = [(b, g, m, torch.float16) for b in (4, 2) for g in (32, 64, 128) for m in ("rtn", "mse", "hqq")]
     configs += [(b, g, "rtn", torch.bfloat16) for b, g in ((4, 128), (2, 64))]
     for kind in ("gauss", "student_t4"):
         experts = []
@@ -76,27 +78,41 @@ def measure(args: argparse.Namespace) -> list[dict]:
             x = torch.randn(args.tokens, hidden, generator=gen)
             experts.append((gate_up, down, x, swiglu_expert(x, gate_up.float(), down.float())))
         for bits, group_size, method, param_dtype in configs:
-            weight_errs, output_errs = [], []
+            weight_errs, output_errs, seconds = [], [], []
             for gate_up, down, x, reference in experts:
+                start = time.perf_counter()
                 gu_hat = fake_quant(gate_up, bits, group_size, method, param_dtype)
                 dn_hat = fake_quant(down, bits, group_size, method, param_dtype)
+                seconds.append(time.perf_counter() - start)
                 exact = torch.cat([gate_up.float().flatten(), down.float().flatten()])
                 weight_errs.append(relative_error(torch.cat([gu_hat.flatten(), dn_hat.flatten()]), exact))
                 output_errs.append(relative_error(swiglu_expert(x, gu_hat, dn_hat), reference))
             nbytes = nbytes_for(f"int{bits}", intermediate, hidden, torch.bfloat16, group_size)
-            row = dict(weights=kind, bits=bits, group_size=group_size, method=method,
-                       param_dtype=str(param_dtype).removeprefix("torch."),
-                       weight_err=statistics.median(weight_errs), output_err=statistics.median(output_errs),
-                       bits_per_weight=nbytes * 8 / (3 * intermediate * hidden))
+            row = {
+                "weights": kind,
+                "bits": bits,
+                "group_size": group_size,
+                "method": method,
+                "param_dtype": str(param_dtype).removeprefix("torch."),
+                "weight_err": statistics.median(weight_errs),
+                "output_err": statistics.median(output_errs),
+                "bits_per_weight": nbytes * 8 / (3 * intermediate * hidden),
+                "quant_s": statistics.median(seconds),
+            }
             rows.append(row)
-            print(f"{kind:10s} int{bits} g{group_size:<4d} {method:3s} {row['param_dtype']:8s} "
-                  f"weight_err {row['weight_err']:.4f}  output_err {row['output_err']:.4f}  "
-                  f"bits/w {row['bits_per_weight']:.3f}", flush=True)
+            print(
+                f"{kind:10s} int{bits} g{group_size:<4d} {method:3s} {row['param_dtype']:8s} "
+                f"weight_err {row['weight_err']:.4f}  output_err {row['output_err']:.4f}  "
+                f"bits/w {row['bits_per_weight']:.3f}  quant_s {row['quant_s']:.2f}",
+                flush=True,
+            )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--hidden-size", type=int, default=2048)
     parser.add_argument("--intermediate-size", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=64)

@@ -13,8 +13,9 @@ dimension, so that one group's scale multiplies one contiguous run of a row):
     code   = clamp(round((W - offset) / scale), 0, 2**bits - 1)      uint8, one per element
     W_hat  = code * scale + offset                                   (dequantized, one FMA)
     scale, offset: (N, K // group_size) float16 (see PARAM_DTYPE for why float16)
-The offset form (offset = the group's minimum for round-to-nearest) rather than an integer zero-point
-keeps both parameters in the weights' own range, so a group far from zero cannot overflow float16.
+The offset form (offset = start of the group's quantization window, its minimum for plain RTN) rather
+than an integer zero-point keeps both parameters in the weights' own range, so a group far from zero
+cannot overflow float16.
 
 Packing: codes are packed along K, element k of a row in byte k // (8 // bits) at bit position
 (k % (8 // bits)) * bits (little end first). int4: two per byte, int2: four per byte.
@@ -37,7 +38,7 @@ Metadata schema (`QuantMeta`, frozen, hashable):
     bits                 4 or 2 for lo; the dtype's bit width (16 / 32) for hi
     group_size_gate_up   g_gu (0 for hi): group size along H for gate_up
     group_size_down      g_dn (0 for hi): group size along I for down
-    quant_method         "rtn" | "hqq" | "" (hi)
+    quant_method         "rtn" | "mse" | "hqq" | "" (hi); how the parameters were chosen (informational)
     slots                tuple of TensorSlot(name, dtype, shape, offset_bytes), in buffer order
     nbytes               total buffer size, a multiple of ALIGN_BYTES
 """
@@ -63,16 +64,28 @@ PARAM_DTYPE = torch.float16
 # under 64 bytes per slot, against megabytes per expert.
 ALIGN_BYTES = 64
 
-# Chosen by measurement (docs/quantization.md): int4 with group 128 and int2 with group 64 give the
-# best output error per stored byte among 32/64/128 (same choice as the DynaExq authors' code).
-DEFAULT_GROUP_SIZE = MappingProxyType({4: 128, 2: 64})
+# Chosen by measurement (docs/quantization.md): among 32/64/128, the group size minimizing
+# expert-output error x (bytes per weight)^2 over two synthetic weight models. Bytes count twice because
+# they cost both residency capacity and copy/read time. With the "mse" range search, int2 gains little
+# from groups below 128, unlike plain min/max RTN (the DynaExq authors' code uses int4 g128 / int2 g64).
+DEFAULT_GROUP_SIZE = MappingProxyType({4: 64, 2: 128})
+MIN_DEFAULT_GROUP_SIZE = 16  # the default halves down to this when it does not divide K
 
 LOW_BIT_PRECISIONS = MappingProxyType({"int4": 4, "int2": 2})
 HI_PRECISION_ALIASES = frozenset({"hi", "bf16"})
-QUANT_METHODS = frozenset({"rtn", "hqq"})
+QUANT_METHODS = frozenset({"rtn", "mse", "hqq"})
+DEFAULT_QUANT_METHOD = "hqq"
+
+# Clip ratios tried by the "mse" range search: the group's [min, max] window shrunk about its midpoint.
+# Low-bit grids waste levels on the few extreme weights: on Gaussian weights the chosen ratio is
+# 0.9-1.0 for int4 (group 64) and 0.55-0.65 for int2 (group 128), 10th-90th percentile.
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(13))  # 1.00, 0.95, ..., 0.40
 
 # HQQ half-quadratic proximal solver on the offset only (Badri & Shaji, 2023): the paper's defaults
 # for the l_p shrink (p < 1 is robust to the few large errors) and its schedule beta <- kappa * beta.
+# At expert-weight magnitudes the shrink threshold |e|^(p-1) / beta exceeds |e| for every error below
+# beta^(-1 / (2 - p)) ~ 0.17, so the sparse term is zero and each step refits the offset to the mean
+# residual (alternating least squares); it still lowers the error measurably (docs/quantization.md).
 HQQ_ITERS = 20
 HQQ_LP_NORM = 0.7
 HQQ_BETA = 10.0
@@ -143,21 +156,27 @@ class QuantMeta:
 
 
 def quantize(
-    weight: torch.Tensor, bits: int, group_size: int | None = None, method: str = "rtn"
+    weight: torch.Tensor, bits: int, group_size: int | None = None, method: str = DEFAULT_QUANT_METHOD
 ) -> QuantizedMatrix:
     """Asymmetric group-wise quantization of `weight` (N, K) along K.
 
     weight: (N, K), any float dtype; K must be a multiple of `group_size`.
-    bits: 4 or 2. group_size: default DEFAULT_GROUP_SIZE[bits].
-    method: "rtn" (round to nearest, min/max range) or "hqq" (RTN, then the half-quadratic proximal
-    refinement of the offsets; per group it keeps whichever offset has the lower squared error, so it
-    is never worse than RTN in Frobenius norm).
+    bits: 4 or 2. group_size: None = `default_group_size(bits, K)`.
+    method (all round to nearest; they differ in how each group's scale and offset are chosen):
+      "rtn"  scale and offset from the group's min and max;
+      "mse"  the clip ratio in CLIP_RATIOS with the least squared error per group (1.0 is "rtn");
+      "hqq"  "mse", then the half-quadratic proximal refinement of the offsets (HQQ).
+    Each step keeps, per group, whichever parameters have the lower squared error, so in Frobenius
+    norm "hqq" <= "mse" <= "rtn" group by group.
     Returns codes (N, K) uint8, scale and offset (N, K // group_size) float16.
     """
     group_size = _check_quant_args(weight, bits, group_size, method)
     groups = _as_groups(weight.to(torch.float32), group_size)  # (N, G, g)
     qmax = 2**bits - 1
-    scale, offset = _min_max_params(groups, qmax)
+    if method == "rtn":
+        scale, offset = _min_max_params(groups, qmax)
+    else:
+        scale, offset = _mse_clipped_params(groups, qmax)
     if method == "hqq":
         offset = _hqq_refine_offset(groups, scale, offset, qmax)
     codes = _codes_for(groups, scale, offset, qmax)
@@ -194,7 +213,7 @@ def _check_quant_args(weight: torch.Tensor, bits: int, group_size: int | None, m
         raise ValueError(f"method must be one of {sorted(QUANT_METHODS)}, got {method!r}")
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a 2-D float tensor, got {tuple(weight.shape)} {weight.dtype}")
-    group_size = DEFAULT_GROUP_SIZE[bits] if group_size is None else group_size
+    group_size = default_group_size(bits, weight.shape[1]) if group_size is None else group_size
     _check_group_size(weight.shape[1], group_size, bits)
     # NOTE: host sync; quantization is offline (checkpoint preparation), never on the decode path.
     if not bool(torch.isfinite(weight).all()) or float(weight.abs().max()) > torch.finfo(PARAM_DTYPE).max:
@@ -202,12 +221,31 @@ def _check_quant_args(weight: torch.Tensor, bits: int, group_size: int | None, m
     return group_size
 
 
+def default_group_size(bits: int, k: int) -> int:
+    """DEFAULT_GROUP_SIZE[bits], halved while it does not divide K (down to MIN_DEFAULT_GROUP_SIZE).
+
+    For example int2 on GPT-OSS's I=2880 (not a multiple of 128) gets 64. ValueError if none divides K.
+    """
+    if bits not in DEFAULT_GROUP_SIZE:
+        raise ValueError(f"bits must be one of {sorted(DEFAULT_GROUP_SIZE)}, got {bits}")
+    group_size = DEFAULT_GROUP_SIZE[bits]
+    while k % group_size and group_size > MIN_DEFAULT_GROUP_SIZE:
+        group_size //= 2
+    if k % group_size:
+        raise ValueError(f"no default group size divides K={k}; pass group_size explicitly")
+    return group_size
+
+
 def _check_group_size(k: int, group_size: int, bits: int) -> None:
     per_byte = 8 // bits
     if group_size <= 0 or group_size % per_byte:
-        raise ValueError(f"group_size must be a positive multiple of {per_byte} for int{bits}, got {group_size}")
+        raise ValueError(
+            f"group_size must be a positive multiple of {per_byte} for int{bits}, got {group_size}"
+        )
     if k % group_size:
-        raise ValueError(f"input dimension K={k} is not a multiple of group_size={group_size}; pick a divisor")
+        raise ValueError(
+            f"input dimension K={k} is not a multiple of group_size={group_size}; pick a divisor"
+        )
 
 
 def _as_groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -216,15 +254,34 @@ def _as_groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     return weight.reshape(n_rows, k // group_size, group_size)
 
 
-def _min_max_params(groups: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """RTN range: offset = group min, scale = (max - min) / qmax; both (N, G, 1) float32 and
-    already rounded to PARAM_DTYPE, so codes are computed against the parameters actually stored."""
+def _min_max_params(
+    groups: torch.Tensor, qmax: int, clip_ratio: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Range [min, max] of each group, shrunk about its midpoint by `clip_ratio`:
+    offset = window start, scale = window width / qmax. groups (N, G, g) -> both (N, G, 1) float32,
+    already rounded to PARAM_DTYPE so that codes are computed against the parameters actually stored."""
     w_min = groups.amin(dim=-1, keepdim=True)
     w_max = groups.amax(dim=-1, keepdim=True)
-    # A constant group has range 0; the smallest normal float16 keeps the division finite and
+    half_width = (w_max - w_min) * (clip_ratio / 2)
+    midpoint = (w_max + w_min) / 2
+    # A constant group has width 0; the smallest normal float16 keeps the division finite and
     # still represents the group exactly (all codes 0, W_hat = offset).
-    scale = ((w_max - w_min) / qmax).clamp_min(torch.finfo(PARAM_DTYPE).tiny)
-    return _round_param(scale), _round_param(w_min)
+    scale = (2 * half_width / qmax).clamp_min(torch.finfo(PARAM_DTYPE).tiny)
+    return _round_param(scale), _round_param(midpoint - half_width)
+
+
+def _mse_clipped_params(groups: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, the CLIP_RATIOS window with the least squared error. groups (N, G, g) -> (N, G, 1) x 2."""
+    best_scale, best_offset = _min_max_params(groups, qmax)
+    best_error = _squared_error(groups, best_scale, best_offset, qmax)
+    for clip_ratio in CLIP_RATIOS[1:]:
+        scale, offset = _min_max_params(groups, qmax, clip_ratio)
+        error = _squared_error(groups, scale, offset, qmax)
+        improved = error < best_error
+        best_scale = torch.where(improved, scale, best_scale)
+        best_offset = torch.where(improved, offset, best_offset)
+        best_error = torch.where(improved, error, best_error)
+    return best_scale, best_offset
 
 
 def _round_param(param: torch.Tensor) -> torch.Tensor:
@@ -235,15 +292,31 @@ def _codes_for(groups: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, 
     return torch.round((groups - offset) / scale).clamp_(0, qmax).to(torch.uint8)
 
 
-def _squared_error(groups: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmax: int) -> torch.Tensor:
+def _squared_error(
+    groups: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmax: int
+) -> torch.Tensor:
     """Per-group sum of squared dequantization error, (N, G, 1) float32."""
-    w_hat = _codes_for(groups, scale, offset, qmax).to(torch.float32) * scale + offset
+    return _squared_error_of(groups, _codes_for(groups, scale, offset, qmax), scale, offset)
+
+
+def _squared_error_of(
+    groups: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+) -> torch.Tensor:
+    """Per-group sum of squared error of given codes, (N, G, 1) float32."""
+    w_hat = codes.to(torch.float32) * scale + offset
     return (groups - w_hat).square().sum(dim=-1, keepdim=True)
 
 
 def _shrink_lp(x: torch.Tensor, beta: float, p: float) -> torch.Tensor:
-    """Proximal operator of the l_p (p < 1) penalty, the generalized soft threshold of HQQ."""
+    """Proximal operator of the l_p (p < 1) penalty, the generalized soft threshold of HQQ.
+
+    sign(x) * relu(|x| - |x|^(p-1) / beta), which is nonzero only where |x| > beta^(-1 / (2 - p)).
+    """
     magnitude = x.abs()
+    # NOTE: host sync; offline only. Skips the costly pow when no element passes the threshold,
+    # the usual case at expert-weight magnitudes.
+    if not bool((magnitude > beta ** (-1.0 / (2.0 - p))).any()):
+        return torch.zeros_like(x)
     threshold = magnitude.clamp_min(1e-12).pow(p - 1.0) / beta
     return torch.sign(x) * F.relu(magnitude - threshold)
 
@@ -253,20 +326,25 @@ def _hqq_refine_offset(
 ) -> torch.Tensor:
     """Half-quadratic splitting on the offset, scale fixed.
 
-    Alternates (1) codes for the current offset, (2) the sparse error term E = shrink(W - W_hat),
-    (3) the closed-form offset minimizing ||W - E - (codes * scale + offset)||^2 per group, i.e. the
-    group mean of W - E - codes * scale. Keeps, per group, the best offset seen by squared error.
+    Alternates (1) the sparse error term E = shrink(W - W_hat) for the current codes, (2) the
+    closed-form offset minimizing ||W - E - (codes * scale + offset)||^2 per group, i.e. the group mean
+    of W - E - codes * scale, (3) codes for the new offset. Keeps, per group, the best offset seen by
+    squared error; stops early once no group improves.
     groups (N, G, g), scale and offset (N, G, 1) float32 -> offset (N, G, 1) float32.
     """
-    best_offset = offset
-    best_error = _squared_error(groups, scale, offset, qmax)
+    codes = _codes_for(groups, scale, offset, qmax)
+    best_offset, best_error = offset, _squared_error_of(groups, codes, scale, offset)
     beta = HQQ_BETA
     for _ in range(HQQ_ITERS):
-        codes = _codes_for(groups, scale, offset, qmax).to(torch.float32)
-        sparse_error = _shrink_lp(groups - (codes * scale + offset), beta, HQQ_LP_NORM)
-        offset = _round_param((groups - sparse_error - codes * scale).mean(dim=-1, keepdim=True))
-        error = _squared_error(groups, scale, offset, qmax)
+        scaled_codes = codes.to(torch.float32) * scale
+        sparse_error = _shrink_lp(groups - scaled_codes - offset, beta, HQQ_LP_NORM)
+        offset = _round_param((groups - sparse_error - scaled_codes).mean(dim=-1, keepdim=True))
+        codes = _codes_for(groups, scale, offset, qmax)
+        error = _squared_error_of(groups, codes, scale, offset)
         improved = error < best_error
+        # NOTE: host sync; offline only.
+        if not bool(improved.any()):
+            break
         best_offset = torch.where(improved, offset, best_offset)
         best_error = torch.where(improved, error, best_error)
         beta *= HQQ_KAPPA
@@ -285,8 +363,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     per_byte = _values_per_byte(bits)
     if codes.dtype != torch.uint8 or codes.shape[-1] % per_byte:
-        raise ValueError(f"codes must be uint8 with last dim a multiple of {per_byte}, got {codes.dtype} "
-                         f"{tuple(codes.shape)}")
+        raise ValueError(
+            f"codes must be uint8 with last dim a multiple of {per_byte}, got {codes.dtype} "
+            f"{tuple(codes.shape)}"
+        )
     # NOTE: host sync; packing is offline.
     if codes.numel() and int(codes.max()) >= 2**bits:
         raise ValueError(f"codes exceed {bits} bits")
@@ -322,7 +402,7 @@ def _bit_shifts(bits: int, device: torch.device, dtype: torch.dtype) -> torch.Te
 
 
 def normalize_precision(precision: str) -> str:
-    """"hi"/"bf16" -> "hi" (the checkpoint dtype); "int4"/"int2" unchanged; anything else: ValueError."""
+    """ "hi"/"bf16" -> "hi" (the checkpoint dtype); "int4"/"int2" unchanged; anything else: ValueError."""
     if precision in HI_PRECISION_ALIASES:
         return "hi"
     if precision in LOW_BIT_PRECISIONS:
@@ -336,12 +416,12 @@ def expert_layout(
     hidden_size: int,
     dtype: torch.dtype,
     group_size: int | tuple[int, int] | None = None,
-    quant_method: str = "rtn",
+    quant_method: str = DEFAULT_QUANT_METHOD,
 ) -> QuantMeta:
     """The buffer layout of one expert version, without any data.
 
-    group_size: one size for both matrices, or (gate_up's along H, down's along I); None = default
-    for the bit width. Ignored for "hi".
+    group_size: one size for both matrices, or (gate_up's along H, down's along I); None =
+    `default_group_size` for each matrix's K. Ignored for "hi".
     """
     precision = normalize_precision(precision)
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
@@ -353,13 +433,23 @@ def expert_layout(
     if quant_method not in QUANT_METHODS:
         raise ValueError(f"quant_method must be one of {sorted(QUANT_METHODS)}, got {quant_method!r}")
     bits = LOW_BIT_PRECISIONS[precision]
-    gs_gate_up, gs_down = _split_group_sizes(group_size, bits)
+    gs_gate_up, gs_down = _split_group_sizes(group_size, bits, intermediate_size, hidden_size)
     _check_group_size(hidden_size, gs_gate_up, bits)
     _check_group_size(intermediate_size, gs_down, bits)
     shapes = _low_bit_slot_shapes(intermediate_size, hidden_size, bits, gs_gate_up, gs_down)
     slots, nbytes = _place_slots(shapes)
-    return QuantMeta(precision, dtype, intermediate_size, hidden_size, bits, gs_gate_up, gs_down,
-                     quant_method, slots, nbytes)
+    return QuantMeta(
+        precision,
+        dtype,
+        intermediate_size,
+        hidden_size,
+        bits,
+        gs_gate_up,
+        gs_down,
+        quant_method,
+        slots,
+        nbytes,
+    )
 
 
 def nbytes_for(
@@ -379,7 +469,7 @@ def pack_expert(
     precision: str,
     *,
     group_size: int | tuple[int, int] | None = None,
-    quant_method: str = "rtn",
+    quant_method: str = DEFAULT_QUANT_METHOD,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, QuantMeta]:
     """Build one expert version's flat buffer.
@@ -407,8 +497,9 @@ def expert_views(buffer: torch.Tensor, meta: QuantMeta) -> dict[str, torch.Tenso
     "down_offset"} with the shapes in the module docstring.
     """
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < meta.nbytes:
-        raise ValueError(f"buffer must be 1-D uint8 of >= {meta.nbytes} bytes, got {buffer.dtype} "
-                         f"{tuple(buffer.shape)}")
+        raise ValueError(
+            f"buffer must be 1-D uint8 of >= {meta.nbytes} bytes, got {buffer.dtype} {tuple(buffer.shape)}"
+        )
     return {slot.name: _slot_view(buffer, slot) for slot in meta.slots}
 
 
@@ -422,8 +513,10 @@ def dequantize(
     dtype = meta.dtype if dtype is None else dtype
     if not meta.is_low_bit:
         return views["gate_up"].to(dtype), views["down"].to(dtype)
-    return (_dequantize_slot(views, "gate_up", meta.bits, dtype),
-            _dequantize_slot(views, "down", meta.bits, dtype))
+    return (
+        _dequantize_slot(views, "gate_up", meta.bits, dtype),
+        _dequantize_slot(views, "down", meta.bits, dtype),
+    )
 
 
 def expert_forward(x: torch.Tensor, views: dict[str, torch.Tensor], meta: QuantMeta) -> torch.Tensor:
@@ -442,21 +535,29 @@ def swiglu_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
 
 
 def _hi_layout(intermediate_size: int, hidden_size: int, dtype: torch.dtype) -> QuantMeta:
-    shapes = (("gate_up", dtype, (2 * intermediate_size, hidden_size)),
-              ("down", dtype, (hidden_size, intermediate_size)))
+    shapes = (
+        ("gate_up", dtype, (2 * intermediate_size, hidden_size)),
+        ("down", dtype, (hidden_size, intermediate_size)),
+    )
     slots, nbytes = _place_slots(shapes)
-    return QuantMeta("hi", dtype, intermediate_size, hidden_size, _itemsize(dtype) * 8, 0, 0, "", slots, nbytes)
+    return QuantMeta(
+        "hi", dtype, intermediate_size, hidden_size, _itemsize(dtype) * 8, 0, 0, "", slots, nbytes
+    )
 
 
 def _low_bit_slot_shapes(
     intermediate_size: int, hidden_size: int, bits: int, gs_gate_up: int, gs_down: int
 ) -> tuple[tuple[str, torch.dtype, tuple[int, int]], ...]:
     shapes = []
-    for name, n_rows, k, group_size in (("gate_up", 2 * intermediate_size, hidden_size, gs_gate_up),
-                                        ("down", hidden_size, intermediate_size, gs_down)):
-        shapes += [(f"{name}_packed", torch.uint8, (n_rows, k * bits // 8)),
-                   (f"{name}_scale", PARAM_DTYPE, (n_rows, k // group_size)),
-                   (f"{name}_offset", PARAM_DTYPE, (n_rows, k // group_size))]
+    for name, n_rows, k, group_size in (
+        ("gate_up", 2 * intermediate_size, hidden_size, gs_gate_up),
+        ("down", hidden_size, intermediate_size, gs_down),
+    ):
+        shapes += [
+            (f"{name}_packed", torch.uint8, (n_rows, k * bits // 8)),
+            (f"{name}_scale", PARAM_DTYPE, (n_rows, k // group_size)),
+            (f"{name}_offset", PARAM_DTYPE, (n_rows, k // group_size)),
+        ]
     return tuple(shapes)
 
 
@@ -478,9 +579,12 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _split_group_sizes(group_size: int | tuple[int, int] | None, bits: int) -> tuple[int, int]:
+def _split_group_sizes(
+    group_size: int | tuple[int, int] | None, bits: int, intermediate_size: int, hidden_size: int
+) -> tuple[int, int]:
+    """(gate_up's group size along H, down's along I)."""
     if group_size is None:
-        return DEFAULT_GROUP_SIZE[bits], DEFAULT_GROUP_SIZE[bits]
+        return default_group_size(bits, hidden_size), default_group_size(bits, intermediate_size)
     if isinstance(group_size, int):
         return group_size, group_size
     gs_gate_up, gs_down = group_size
@@ -490,12 +594,15 @@ def _split_group_sizes(group_size: int | tuple[int, int] | None, bits: int) -> t
 def _expert_sizes(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
     """(I, H) from gate_up (2I, H) and down (H, I); ValueError if they do not fit together."""
     if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[0] % 2:
-        raise ValueError(f"expected gate_up (2I, H) and down (H, I), got {tuple(gate_up.shape)} "
-                         f"and {tuple(down.shape)}")
+        raise ValueError(
+            f"expected gate_up (2I, H) and down (H, I), got {tuple(gate_up.shape)} and {tuple(down.shape)}"
+        )
     intermediate_size, hidden_size = gate_up.shape[0] // 2, gate_up.shape[1]
     if tuple(down.shape) != (hidden_size, intermediate_size) or down.dtype != gate_up.dtype:
-        raise ValueError(f"down must be ({hidden_size}, {intermediate_size}) {gate_up.dtype}, got "
-                         f"{tuple(down.shape)} {down.dtype}")
+        raise ValueError(
+            f"down must be ({hidden_size}, {intermediate_size}) {gate_up.dtype}, got "
+            f"{tuple(down.shape)} {down.dtype}"
+        )
     return intermediate_size, hidden_size
 
 
@@ -512,8 +619,10 @@ def _expert_tensors(gate_up: torch.Tensor, down: torch.Tensor, meta: QuantMeta) 
     if not meta.is_low_bit:
         return {"gate_up": gate_up, "down": down}
     tensors = {}
-    for name, weight, group_size in (("gate_up", gate_up, meta.group_size_gate_up),
-                                     ("down", down, meta.group_size_down)):
+    for name, weight, group_size in (
+        ("gate_up", gate_up, meta.group_size_gate_up),
+        ("down", down, meta.group_size_down),
+    ):
         quantized = quantize(weight, meta.bits, group_size, meta.quant_method)
         tensors[f"{name}_packed"] = pack(quantized.codes, meta.bits)
         tensors[f"{name}_scale"] = quantized.scale
@@ -526,6 +635,8 @@ def _slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return raw.view(slot.dtype).view(slot.shape)
 
 
-def _dequantize_slot(views: dict[str, torch.Tensor], name: str, bits: int, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_slot(
+    views: dict[str, torch.Tensor], name: str, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
     codes = unpack(views[f"{name}_packed"], bits)
     return dequantize_matrix(codes, views[f"{name}_scale"], views[f"{name}_offset"], dtype)
