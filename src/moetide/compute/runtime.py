@@ -74,6 +74,11 @@ class ExpertRuntime:
                 self.metrics.layers[layer].hits += used
             return grouped_moe(hidden, top_k_index, top_k_weights, top_k_index + group_base,
                                gate_up_all, down_all, self.act_fn)
+        static_lo = self.residency.static_lo_rows(layer)
+        if static_lo is not None and top_k_index.numel() <= self.top_k:  # one token: no host sync
+            base, arena, meta = static_lo
+            self._publish_layer(layer, top_k_index)
+            return self._pairs_from_rows(hidden, top_k_index, top_k_weights, arena, base, meta)
         ids_cpu = top_k_index.cpu()  # NOTE: host sync (counted): residency must know the experts
         self.metrics.host_syncs += 1
         experts = torch.unique(ids_cpu).tolist()
@@ -108,6 +113,21 @@ class ExpertRuntime:
             self._grouped_into(out, hidden, ids_cpu, top_k_weights, {e: i for i, e in enumerate(chunk)},
                                gate_up_all, down_all)
         return out
+
+    def _pairs_from_rows(self, hidden, top_k_index, top_k_weights, arena, base, meta) -> torch.Tensor:
+        """Every (token, expert) pair dequantized from its lo row and run as a batched matmul:
+        `(T, H)`. Used when all lo versions sit at fixed slots and T*k fits the dequant scratch."""
+        from .lowbit import dequantize_rows
+
+        k = top_k_index.shape[1]
+        rows = arena.index_select(0, top_k_index.reshape(-1) + base)  # (P, nbytes), P = T*k
+        gate_up, down = dequantize_rows(rows, meta, hidden.dtype)  # (P, 2I, H), (P, H, I)
+        token = torch.arange(top_k_index.numel(), device=hidden.device) // k
+        x = hidden.index_select(0, token).unsqueeze(1)  # (P, 1, H)
+        gate, up = torch.bmm(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(self.act_fn(gate) * up, down.transpose(1, 2)).squeeze(1)  # (P, H)
+        y = y * top_k_weights.reshape(-1, 1).to(y.dtype)
+        return torch.zeros_like(hidden).index_add_(0, token, y.to(hidden.dtype))
 
     @staticmethod
     def _dense_weights(version, dtype):

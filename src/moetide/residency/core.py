@@ -86,6 +86,7 @@ class ResidencyManager:
         self._tick = 0
         self._hi_groups = None
         self._static_hi = False
+        self._static_lo = False
         if options.mode == "lo+hi" or options.mode == "all-lo":
             for row in self.handles:
                 for h in row:
@@ -366,6 +367,9 @@ class ResidencyManager:
             version.published = True
         self.metrics.reset()
         E = self.store.num_experts
+        in_order = all(v.slot == h.layer * E + h.expert for row in self.handles for h in row for v in h.versions.values())
+        complete = len(issued) == self.store.num_layers * E
+        self._static_lo = self.options.mode == "all-lo" and pool == "lo" and in_order and complete
         self._static_hi = self.options.mode == "all-hi" and all(
             h.versions["hi"].slot == h.layer * E + h.expert for row in self.handles for h in row if "hi" in h.versions
         ) and len(issued) == self.store.num_layers * E
@@ -384,6 +388,13 @@ class ResidencyManager:
         if not self._static_hi:
             return None
         return (layer * self.store.num_experts, *self.hi_pool_groups())
+
+    def static_lo_rows(self, layer: int):
+        """`(first slot of the layer, lo arena (S, nbytes), meta)` when every expert is lo-resident at
+        slot layer*E + e for good (static-int4/int2)."""
+        if not self._static_lo:
+            return None
+        return layer * self.store.num_experts, self.pools["lo"].arena, self.store.meta[self.options.lo_precision]
 
     def resident_counts(self) -> dict[str, int]:
         counts = {"hi": 0, "lo": 0}

@@ -84,6 +84,9 @@ class DirectResidency:
     def hi_pool_groups(self):
         return None
 
+    def static_lo_rows(self, layer: int):
+        return None
+
     def resident_counts(self) -> dict[str, int]:
         return {}
 
