@@ -1,0 +1,331 @@
+"""Serving benchmark: throughput and TTFT/TPOT at 1, 8 and 32 concurrent streaming clients.
+
+Starts `moetide serve` as a child process (its own interpreter, so the clients' Python does not share
+a GIL with the engine) with every option this script does not know forwarded to it, or connects to
+a running server with --url. Each level runs `concurrency` closed-loop clients; each client sends
+`--requests-per-client` streaming chat requests one after another, with a fixed output length
+(`ignore_eos`). Prompts are the first user turns of the held-out ShareGPT conversations
+(`moetide.data.sharegpt.heldout_conversations`) or lines of --prompts FILE.
+
+Per request, from the arrival times of streamed chunks:
+    TTFT = first chunk with text - request sent
+    TPOT = (last chunk - first chunk) / (output tokens - 1)
+Per level: output tokens/s = all output tokens / level wall time; TTFT and TPOT percentiles; the
+change in the server's expert counters (stall seconds, bytes moved) and its hit rate at the end.
+
+Example (the lead's H200 run):
+    python scripts/bench_server.py --out bench_server.json -- --gpu-memory 8GiB --policy combined
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import openai
+
+
+@dataclass
+class RequestRecord:
+    concurrency: int
+    prompt_chars: int
+    prompt_tokens: int | None
+    output_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    latency_s: float
+    error: str | None = None
+
+
+# -- prompts -------------------------------------------------------------------------------------------------
+def load_prompts(path: str | None, max_chars: int) -> list[str]:
+    """Prompts from a file (one per line, or JSONL with a "prompt" field) or the held-out ShareGPT set."""
+    prompts: list[str] = []
+    if path:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("{"):
+                line = json.loads(line).get("prompt", "")
+            prompts.append(line)
+    else:
+        from moetide.data.sharegpt import heldout_conversations
+
+        for conversation in heldout_conversations():
+            first_user = next((text for role, text in conversation["turns"] if role == "user"), None)
+            if first_user and first_user.strip():
+                prompts.append(first_user.strip())
+    prompts = [p[:max_chars] for p in prompts if p]
+    if not prompts:
+        raise SystemExit("no prompts: give --prompts FILE")
+    return prompts
+
+
+# -- the server ----------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(serve_args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "moetide.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *serve_args,
+    ]
+    print("[bench] starting:", " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"moetide serve exited with status {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit(f"moetide serve did not come up within {timeout_s:.0f} s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The unlabelled series of /metrics (plus resident experts per precision)."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = re.match(r"^(moetide_[a-z_]+)(\{precision=\"(\w+)\"\})? (\S+)$", line)
+        if m:
+            name = m.group(1) + (f"[{m.group(3)}]" if m.group(3) else "")
+            out[name] = float(m.group(4))
+    return out
+
+
+# -- one request, one level ------------------------------------------------------------------------------------
+async def one_request(client, model: str, prompt: str, args, concurrency: int) -> RequestRecord:
+    extra = {"ignore_eos": True}
+    sent = time.perf_counter()
+    first = last = None
+    usage = None
+    try:
+        if args.endpoint == "chat":
+            stream = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=args.output_len,
+                temperature=args.temperature,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
+        else:
+            stream = await client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=args.output_len,
+                temperature=args.temperature,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text = choice.delta.content if args.endpoint == "chat" else choice.text
+                if text:
+                    first = first if first is not None else now
+                    last = now
+    except openai.APIError as e:
+        return RequestRecord(
+            concurrency, len(prompt), None, 0, None, None, time.perf_counter() - sent, str(e)
+        )
+    n = usage.completion_tokens if usage else 0
+    ttft = first - sent if first is not None else None
+    tpot = (last - first) / (n - 1) if first is not None and n > 1 else None
+    prompt_tokens = usage.prompt_tokens if usage else None
+    return RequestRecord(concurrency, len(prompt), prompt_tokens, n, ttft, tpot, time.perf_counter() - sent)
+
+
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, args, offset: int):
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=args.request_timeout
+    )
+    records: list[RequestRecord] = []
+
+    async def worker(w: int):
+        for r in range(args.requests_per_client):
+            prompt = prompts[(offset + w * args.requests_per_client + r) % len(prompts)]
+            records.append(await one_request(client, model, prompt, args, concurrency))
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    finally:
+        await client.close()
+    return records, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(
+    concurrency: int, records: list[RequestRecord], wall_s: float, before: dict, after: dict
+) -> dict:
+    ok = [r for r in records if r.error is None]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    tokens = sum(r.output_tokens for r in ok)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0) if name in after else None
+
+    return {
+        "concurrency": concurrency,
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "wall_s": wall_s,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "mean_prompt_tokens": statistics.fmean(r.prompt_tokens for r in ok if r.prompt_tokens)
+        if any(r.prompt_tokens for r in ok)
+        else None,
+        "ttft_s": {q: percentile(ttft, p) for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+        | {"mean": statistics.fmean(ttft) if ttft else None},
+        "tpot_s": {q: percentile(tpot, p) for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+        | {"mean": statistics.fmean(tpot) if tpot else None},
+        "expert_stall_s": delta("moetide_expert_stall_seconds_total"),
+        "expert_bytes_moved": delta("moetide_expert_bytes_moved_total"),
+        "expert_hit_rate_end": after.get("moetide_expert_hit_rate"),
+        "resident_experts_end": {
+            k.split("[")[1][:-1]: v for k, v in after.items() if k.startswith("moetide_resident")
+        },
+    }
+
+
+def print_table(levels: list[dict]) -> None:
+    def ms(x):
+        return f"{x * 1000:8.1f}" if x is not None else "     n/a"
+
+    print(
+        f"{'clients':>7} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'req/s':>7} "
+        f"{'TTFT p50':>8} {'TTFT p90':>8} {'TPOT p50':>8} {'TPOT p90':>8} {'stall s':>8} {'GB moved':>9}"
+    )
+    for lv in levels:
+        stall = lv["expert_stall_s"]
+        moved = lv["expert_bytes_moved"]
+        print(
+            f"{lv['concurrency']:>7} {lv['requests']:>5} {lv['errors']:>4} {lv['output_tokens_per_s']:>10.1f}"
+            f" {lv['requests_per_s']:>7.2f} {ms(lv['ttft_s']['p50'])} {ms(lv['ttft_s']['p90'])}"
+            f" {ms(lv['tpot_s']['p50'])} {ms(lv['tpot_s']['p90'])}"
+            f" {stall if stall is not None else float('nan'):>8.2f}"
+            f" {(moved or 0) / 1e9:>9.2f}"
+        )
+    print("(TTFT/TPOT in ms, measured at the client from streamed chunk arrival times)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog="Other options go to `moetide serve`."
+    )
+    parser.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
+    parser.add_argument(
+        "--model-name", default=None, help="`model` to request (default: the server's first model)"
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    parser.add_argument("--prompts", default=None, help="prompt file (one per line, or JSONL with 'prompt')")
+    parser.add_argument(
+        "--max-prompt-chars", type=int, default=2000, help="prompts are cut to this many characters"
+    )
+    parser.add_argument("--warmup-requests", type=int, default=2)
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server")
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args, serve_args = parser.parse_known_args(argv)
+    serve_args = [a for a in serve_args if a != "--"]
+    if args.url and serve_args:
+        parser.error(f"--url given: nothing to forward to moetide serve, but got {' '.join(serve_args)}")
+
+    prompts = load_prompts(args.prompts, args.max_prompt_chars)
+    proc = None
+    url = args.url.rstrip("/") if args.url else None
+    if url is None:
+        proc, url = start_server(serve_args, args.startup_timeout)
+    try:
+        model = args.model_name or httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        if args.warmup_requests:
+            warm = argparse.Namespace(**{**vars(args), "requests_per_client": args.warmup_requests})
+            asyncio.run(run_level(url, model, prompts, 1, warm, offset=len(prompts) // 2))
+        levels, all_records = [], []
+        for concurrency in args.concurrency:
+            before = scrape(url)
+            records, wall_s = asyncio.run(run_level(url, model, prompts, concurrency, args, offset=0))
+            after = scrape(url)
+            levels.append(summarize(concurrency, records, wall_s, before, after))
+            all_records += records
+            lv = levels[-1]
+            print(
+                f"[bench] {concurrency} clients: {lv['output_tokens_per_s']:.1f} output tok/s, "
+                f"{lv['errors']} errors",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print_table(levels)
+    errors = [r.error for r in all_records if r.error]
+    if errors:
+        print(f"first error: {errors[0]}", file=sys.stderr)
+    if args.out:
+        result = {
+            "config": {k: v for k, v in vars(args).items() if k != "url"}
+            | {"url": args.url, "serve_args": serve_args},
+            "model": model,
+            "num_prompts": len(prompts),
+            "levels": levels,
+            "requests": [asdict(r) for r in all_records],
+        }
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(f"[bench] wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""OpenAI-compatible request and response bodies (pydantic), and the OpenAI error body.
+
+Requests are validated strictly (`"5"` is not an integer, NaN/Infinity are not numbers) so a wrong
+type is a 400 here rather than a surprise inside the engine loop. Unknown fields are ignored, as the
+OpenAI API does. Extensions beyond the OpenAI API: `top_k` and `ignore_eos` (vLLM's names).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.sampling import SamplingParams
+
+# Temperatures below this sample as greedy: dividing logits by a tinier one overflows float32.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_SEED = 2**63 - 1
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body; `status` is the HTTP status code."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
+    """`{"error": {"message", "type", "param", "code"}}`, the body of every 4xx/5xx answer."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # extension: 0 or -1 = off
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None  # accepted and ignored
+    ignore_eos: bool = False  # extension: generate exactly max_tokens tokens
+
+    def check_supported(self) -> None:
+        """Reject what the engine does not do, naming the field (400)."""
+        if self.n != 1:
+            raise APIError(400, "n must be 1: one choice per request is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if any(not s for s in stops):
+                raise APIError(400, "stop strings must be non-empty", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        temperature = self.temperature if self.temperature >= MIN_SAMPLING_TEMPERATURE else 0.0
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=self.stop,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """`POST /v1/completions`. `prompt`: a string, a list of one string, or token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs is not supported", param="logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of must be 1", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if isinstance(self.prompt, list):
+            if len(self.prompt) == 0:
+                raise APIError(400, "prompt is empty", param="prompt")
+            if isinstance(self.prompt[0], (str, list)) and len(self.prompt) != 1:
+                raise APIError(
+                    400, "send one prompt per request (a batch of prompts is not supported)", param="prompt"
+                )
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """`POST /v1/chat/completions`: `messages` go through the checkpoint's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError(400, "logprobs is not supported", param="logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses --------------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    created: int,
+) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str | None = None,
+    finish_reason: str | None = None,
+    usage_body: dict | None = None,
+) -> dict:
+    choices = (
+        [] if text is None else [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
+    )
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body,
+    }
+
+
+def chat_body(
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    created: int,
+) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict | None = None,
+    finish_reason: str | None = None,
+    usage_body: dict | None = None,
+) -> dict:
+    choices = (
+        []
+        if delta is None
+        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    )
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body,
+    }

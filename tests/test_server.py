@@ -1,0 +1,576 @@
+"""The OpenAI-compatible server end to end: real uvicorn on loopback, the official `openai` client.
+
+Two servers on the tiny qwen3 checkpoint (CPU), each built once: `server` (32 batch slots) for the
+API, concurrency and bad input; `slow_server` (one batch slot, a queue of one, 20 ms per decode
+step) where queueing, disconnects and a failing step are deterministic. One test runs
+`moetide serve` in a subprocess and sends it SIGTERM mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from moetide.config import EngineConfig
+from moetide.engine.llm import build_engine
+from moetide.serve import AsyncEngine, create_app
+
+MODEL = "tiny-qwen3"
+CONTEXT = 256  # the tiny checkpoint's max_position_embeddings
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    engine: AsyncEngine
+    tokenizer: object
+    uvicorn_server: uvicorn.Server
+    thread: threading.Thread
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.base_url}/metrics").text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        assert match, f"{name} not in /metrics"
+        return float(match.group(1))
+
+    def close(self) -> None:
+        self.uvicorn_server.should_exit = True
+        self.thread.join(30)
+
+
+def start_server(checkpoint, *, max_num_seqs: int, max_queue: int, runner_hook=None) -> LiveServer:
+    loaded, engine, tokenizer = build_engine(
+        EngineConfig(model=str(checkpoint), device="cpu", max_num_seqs=max_num_seqs), progress=False
+    )
+    if runner_hook is not None:
+        runner_hook(engine)
+    async_engine = AsyncEngine(engine, loaded=loaded, max_queue=max_queue, expert_metrics_interval_s=0.05)
+    app = create_app(async_engine, tokenizer, model_name=MODEL, drain_timeout_s=5)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return LiveServer(f"http://127.0.0.1:{port}", async_engine, tokenizer, server, thread)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model gains nothing from intra-op threads, and on a busy 2-core runner OpenMP's
+    spinning workers make every step ~100x slower; one thread keeps this file's timing honest."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_checkpoint):
+    live = start_server(qwen3_checkpoint, max_num_seqs=32, max_queue=64)
+    yield live
+    live.close()
+    assert not live.engine.is_alive
+
+
+class SlowRunner:
+    """Wraps the engine's decode: 20 ms per step, and an injectable failure."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.decode = engine.runner.decode
+        self.fail_when_queued = False  # raise once, on the first decode while a request waits
+        engine.runner.decode = self  # this instance only; the class is untouched
+
+    def __call__(self, batch, last_tokens):
+        time.sleep(0.02)
+        if self.fail_when_queued and self.engine.waiting:
+            self.fail_when_queued = False
+            raise RuntimeError("injected decode failure")
+        return self.decode(batch, last_tokens)
+
+
+@pytest.fixture(scope="module")
+def slow_server(qwen3_checkpoint):
+    hooks = {}
+    live = start_server(
+        qwen3_checkpoint,
+        max_num_seqs=1,
+        max_queue=1,
+        runner_hook=lambda engine: hooks.setdefault("runner", SlowRunner(engine)),
+    )
+    live.slow_runner = hooks["runner"]
+    yield live
+    live.close()
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def greedy(max_tokens: int, **extra) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True, **extra}}
+
+
+def still_serves(live: LiveServer) -> None:
+    out = live.client().completions.create(model=MODEL, prompt="ok", **greedy(2))
+    assert out.usage.completion_tokens == 2
+
+
+# -- the API with the official client ----------------------------------------------------------------------
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    health = httpx.get(f"{server.base_url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_streaming_equals_non_streaming(server):
+    client = server.client()
+    full = client.completions.create(model=MODEL, prompt="The cat", **greedy(12))
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens == len(server.tokenizer.encode("The cat"))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="The cat", stream=True, stream_options={"include_usage": True}, **greedy(12)
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    by_ids = client.completions.create(model=MODEL, prompt=server.tokenizer.encode("The cat"), **greedy(12))
+    assert by_ids.choices[0].text == choice.text
+
+
+def test_chat_streaming_equals_non_streaming(server):
+    client = server.client()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, **greedy(10))
+    assert full.choices[0].message.role == "assistant"
+    expected_prompt = server.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
+    expected_prompt = expected_prompt["input_ids"] if hasattr(expected_prompt, "keys") else expected_prompt
+    assert full.usage.prompt_tokens == len(expected_prompt)
+    assert full.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **greedy(10)))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_is_never_streamed(server):
+    client = server.client()
+    free = client.completions.create(model=MODEL, prompt="abc", **greedy(30)).choices[0].text
+    stop = free[4:7]
+    cut = client.completions.create(model=MODEL, prompt="abc", stop=[stop], **greedy(30)).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == free[: free.find(stop)]
+    streamed = client.completions.create(model=MODEL, prompt="abc", stop=[stop], stream=True, **greedy(30))
+    assert "".join(c.choices[0].text for c in streamed) == cut.text
+
+
+def test_32_concurrent_requests_complete_and_equal_each_alone(server):
+    prompts = [f"{i} {'abcdefghij'[: i % 10]} request number {i * 7}" for i in range(32)]
+    lengths = [4 + (i * 5) % 29 for i in range(32)]
+
+    async def run_all():
+        client = server.async_client()
+
+        async def one(i):
+            if i % 2:  # half of them stream
+                stream = await client.completions.create(
+                    model=MODEL,
+                    prompt=prompts[i],
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **greedy(lengths[i]),
+                )
+                text, n = "", None
+                async for chunk in stream:
+                    text += "".join(c.text for c in chunk.choices)
+                    n = chunk.usage.completion_tokens if chunk.usage else n
+                return text, n
+            out = await client.completions.create(model=MODEL, prompt=prompts[i], **greedy(lengths[i]))
+            return out.choices[0].text, out.usage.completion_tokens
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+        finally:
+            await client.close()
+
+    together = asyncio.run(run_all())
+    assert [n for _, n in together] == lengths
+    client = server.client()
+    for i, (text, _) in enumerate(together):
+        alone = client.completions.create(model=MODEL, prompt=prompts[i], **greedy(lengths[i]))
+        assert alone.choices[0].text == text, f"request {i} differs when batched"
+
+
+def test_metrics_expose_the_listed_series(server):
+    still_serves(server)
+    wait_for(lambda: server.metric("moetide_expert_hits_total") > 0, what="expert metrics refresh")
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for series in (
+        "moetide_time_to_first_token_seconds_bucket",
+        "moetide_time_per_output_token_seconds_bucket",
+        "moetide_num_requests_waiting",
+        "moetide_num_requests_running",
+        'moetide_requests_finished_total{finish_reason="length"}',
+        "moetide_expert_hit_rate",
+        "moetide_expert_stall_seconds_total",
+        "moetide_expert_bytes_moved_total",
+        'moetide_resident_experts{precision="hi"}',
+        "moetide_expert_promotions_total",
+        "moetide_expert_demotions_total",
+    ):
+        assert series in text, series
+    assert server.metric("moetide_time_to_first_token_seconds_count") >= 1
+    assert server.metric("moetide_num_requests_running") == 0
+
+
+def test_streamed_prefixes_never_change_with_the_demo_tokenizer():
+    """Each streamed piece is final: with the demo model's byte-level BPE, every stable prefix of a
+    partial decode (half-decoded characters held back) is a prefix of the full text."""
+    from moetide.engine.llm import demo_model_path
+    from moetide.serve.async_engine import _stable_prefix
+
+    path = demo_model_path()
+    if not (path / "tokenizer.json").exists():
+        pytest.skip("demo model tokenizer not built")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.encode("naïve café, 東京タワー 🚀🚀 déjà vu — ok", add_special_tokens=False)
+    full = tok.decode(ids, skip_special_tokens=True)
+    for k in range(len(ids) + 1):
+        partial = _stable_prefix(tok.decode(ids[:k], skip_special_tokens=True), 0)
+        assert full.startswith(partial), (k, partial)
+    assert _stable_prefix("abcd", 2) == "ab" and _stable_prefix("ab\ufffd", 0) == "ab"
+
+
+# -- bad input: status code, OpenAI error body, and the server keeps serving ---------------------------------
+LONG = "x" * (CONTEXT + 10)
+BAD_INPUTS = {
+    "malformed json": (
+        "/v1/completions",
+        b'{"model": "tiny-qwen3", "prompt": "hi",',
+        400,
+        None,
+        "invalid_json",
+    ),
+    "body not an object": ("/v1/completions", [1, 2], 400, None, None),
+    "missing model": ("/v1/completions", {"prompt": "hi"}, 400, "model", None),
+    "missing prompt": ("/v1/completions", {"model": MODEL}, 400, "prompt", None),
+    "missing messages": ("/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
+    "max_tokens as string": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": "5"},
+        400,
+        "max_tokens",
+        None,
+    ),
+    "temperature as string": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "temperature": "hot"},
+        400,
+        "temperature",
+        None,
+    ),
+    "stream as string": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "stream": "yes"},
+        400,
+        "stream",
+        None,
+    ),
+    "prompt as number": ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt", None),
+    "messages as string": ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", None),
+    "unknown role": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages",
+        None,
+    ),
+    "temperature NaN": (
+        "/v1/completions",
+        b'{"model": "tiny-qwen3", "prompt": "hi", "temperature": NaN}',
+        400,
+        "temperature",
+        None,
+    ),
+    "negative temperature": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "temperature": -1},
+        400,
+        "temperature",
+        None,
+    ),
+    "top_p zero": ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    "unknown model": ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model", "model_not_found"),
+    "unknown model chat": (
+        "/v1/chat/completions",
+        {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+        404,
+        "model",
+        "model_not_found",
+    ),
+    "max_tokens zero": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 0},
+        400,
+        "max_tokens",
+        None,
+    ),
+    "max_tokens negative": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -3},
+        400,
+        "max_tokens",
+        None,
+    ),
+    "max_tokens beyond context": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": CONTEXT},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    "prompt longer than context": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": LONG, "max_tokens": 1},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    "chat longer than context": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": LONG}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    "empty prompt": ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
+    "token id outside vocabulary": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": [5, 10**6]},
+        400,
+        None,
+        None,
+    ),
+    "batch of prompts": ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
+    "empty stop string": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "stop": [""]},
+        400,
+        "stop",
+        None,
+    ),
+    "n above one": ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", None),
+    "logprobs": ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1}, 400, "logprobs", None),
+    "chat logprobs": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+        400,
+        "logprobs",
+        None,
+    ),
+    "unknown route": ("/v1/embeddings", {"model": MODEL, "input": "x"}, 404, None, "not_found"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_answered_with_an_openai_error(server, case):
+    path, body, status, param, code = BAD_INPUTS[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(
+        f"{server.base_url}{path}", content=content, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    still_serves(server)
+
+
+def test_openai_client_sees_bad_request_errors(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert info.value.status_code == 400 and info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    still_serves(server)
+
+
+# -- queueing, disconnects and failures (one batch slot, a queue of one) -------------------------------------
+def test_full_queue_429_and_disconnect_frees_the_sequence(slow_server):
+    live = slow_server
+    url = f"{live.base_url}/v1/completions"
+    aborted_before = live.metric('moetide_requests_finished_total{finish_reason="abort"}')
+    with httpx.Client(timeout=60) as http:
+        long_body = {
+            "model": MODEL,
+            "prompt": "long",
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with http.stream("POST", url, json=long_body) as running:  # takes the only batch slot
+            lines = running.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            queued_result = {}
+            queued = threading.Thread(
+                target=lambda: queued_result.update(
+                    out=live.client().completions.create(model=MODEL, prompt="queued", **greedy(3))
+                )
+            )
+            queued.start()
+            wait_for(lambda: live.engine.stats()["waiting"] == 1, what="the second request to queue")
+
+            refused = http.post(url, json={"model": MODEL, "prompt": "one too many", "max_tokens": 2})
+            assert refused.status_code == 429
+            assert int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["code"] == "queue_full"
+        # leaving the `with` closes the connection mid-stream: the server aborts that sequence, which
+        # frees the only batch slot for the queued request
+        queued.join(30)
+    assert queued_result["out"].usage.completion_tokens == 3
+    wait_for(lambda: live.engine.stats() == {"waiting": 0, "running": 0}, what="the batch to empty")
+    assert live.metric('moetide_requests_finished_total{finish_reason="abort"}') == aborted_before + 1
+    assert live.metric('moetide_requests_rejected_total{reason="queue_full"}') >= 1
+    still_serves(live)
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts(slow_server):
+    live = slow_server
+    aborted_before = live.metric('moetide_requests_finished_total{finish_reason="abort"}')
+    body = {"model": MODEL, "prompt": "patience", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # 200 steps of 20 ms: the client gives up long before
+        httpx.post(f"{live.base_url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    wait_for(
+        lambda: live.metric('moetide_requests_finished_total{finish_reason="abort"}') == aborted_before + 1,
+        timeout_s=3,  # well before the 4 s the request would take to finish
+        what="the abandoned request to be aborted",
+    )
+    wait_for(lambda: live.engine.stats() == {"waiting": 0, "running": 0}, what="the batch to empty")
+
+
+def test_failing_step_fails_only_the_batch(slow_server):
+    live = slow_server
+    url = f"{live.base_url}/v1/completions"
+    live.slow_runner.fail_when_queued = True
+    results = {}
+
+    def post(name, prompt, n):
+        results[name] = httpx.post(
+            url,
+            json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
+
+    in_batch = threading.Thread(target=post, args=("in_batch", "first", 100))
+    in_batch.start()
+    wait_for(lambda: live.engine.stats()["running"] == 1, what="the first request to run")
+    queued = threading.Thread(target=post, args=("queued", "second", 5))
+    queued.start()
+    in_batch.join(30)
+    queued.join(30)
+    assert results["in_batch"].status_code == 500
+    error = results["in_batch"].json()["error"]
+    assert error["type"] == "internal_error" and "injected decode failure" in error["message"]
+    assert results["queued"].status_code == 200
+    assert results["queued"].json()["usage"]["completion_tokens"] == 5
+    assert live.engine.is_alive
+    assert live.metric("moetide_engine_step_errors_total") == 1
+    still_serves(live)
+
+
+# -- moetide serve, SIGTERM mid-stream ------------------------------------------------------------------------
+def test_sigterm_lets_the_in_flight_stream_finish(qwen3_checkpoint):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moetide.cli",
+            "serve",
+            "--model",
+            str(qwen3_checkpoint),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--served-model-name",
+            MODEL,
+            "--log-level",
+            "info",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        port = None
+        log = []
+        for line in proc.stdout:
+            log.append(line)
+            match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            if match:
+                port = int(match.group(1))
+                break
+        assert port, "".join(log)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+        stream = client.completions.create(
+            model=MODEL, prompt="bye", stream=True, stream_options={"include_usage": True}, **greedy(240)
+        )
+        chunks = [next(stream)]
+        proc.send_signal(signal.SIGTERM)
+        chunks += list(stream)
+        assert chunks[-1].usage.completion_tokens == 240
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        out, _ = proc.communicate(timeout=30)
+        assert "Waiting for connections to close" in out, out  # the stream was in flight at shutdown
+        assert "Traceback" not in out, out
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
