@@ -308,40 +308,48 @@ def stage_train(args, stats):
     tokens = 0
     acc_ce = acc_aux = None
     acc_n = 0
-    while True:
-        elapsed = time.time() - t_train
-        progress = elapsed / args.train_seconds
-        if args.max_steps:
-            progress = max(progress, step / args.max_steps)
-        if progress >= 1.0:
-            break
-        lr = lr_at(step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x, y = get_batch()
-        ce, aux = fwd_bwd(x, y)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens += B * T
-        acc_ce = ce if acc_ce is None else acc_ce + ce
-        acc_aux = aux if acc_aux is None else acc_aux + aux
-        acc_n += 1
-        if step % args.log_every == 0 or step == 1:
-            ce_v, aux_v = (acc_ce / acc_n).item(), (acc_aux / acc_n).item()
-            acc_ce = acc_aux = None
-            acc_n = 0
-            el = time.time() - t_train
-            point = dict(step=step, tokens=tokens, seconds=round(el, 1), lr=lr, train_loss=round(ce_v, 4),
-                         aux_loss=round(aux_v, 4))
-            if el >= next_eval:
-                point["heldout_quick"] = round(quick_eval(), 4)
-                next_eval = el + args.eval_every_s
-            curve.append(point)
-            log(f"[train] step {step} tok {tokens / 1e6:.1f}M {el:.0f}s lr {lr:.2e} ce {ce_v:.3f} aux {aux_v:.3f}"
-                + (f" heldout[{len(quick)}] {point['heldout_quick']:.3f}" if "heldout_quick" in point else "")
-                + f" {tokens / max(el, 1e-9) / 1e3:.0f}k tok/s")
+    error = None
+    try:
+        while True:
+            elapsed = time.time() - t_train
+            progress = elapsed / args.train_seconds
+            if args.max_steps:
+                progress = max(progress, step / args.max_steps)
+            if progress >= 1.0:
+                break
+            lr = lr_at(step, progress)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x, y = get_batch()
+            ce, aux = fwd_bwd(x, y)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            tokens += B * T
+            acc_ce = ce if acc_ce is None else acc_ce + ce
+            acc_aux = aux if acc_aux is None else acc_aux + aux
+            acc_n += 1
+            if step % args.log_every == 0 or step == 1:
+                ce_v, aux_v = (acc_ce / acc_n).item(), (acc_aux / acc_n).item()
+                acc_ce = acc_aux = None
+                acc_n = 0
+                el = time.time() - t_train
+                point = dict(step=step, tokens=tokens, seconds=round(el, 1), lr=lr, train_loss=round(ce_v, 4),
+                             aux_loss=round(aux_v, 4))
+                if el >= next_eval:
+                    point["heldout_quick"] = round(quick_eval(), 4)
+                    next_eval = el + args.eval_every_s
+                curve.append(point)
+                log(f"[train] step {step} tok {tokens / 1e6:.1f}M {el:.0f}s lr {lr:.2e} ce {ce_v:.3f} aux {aux_v:.3f}"
+                    + (f" heldout[{len(quick)}] {point['heldout_quick']:.3f}" if "heldout_quick" in point else "")
+                    + f" {tokens / max(el, 1e-9) / 1e3:.0f}k tok/s")
+    except Exception as e:  # noqa: BLE001 - keep (and save) what was trained so far
+        import traceback
+
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e}"
+        log(f"[train] stopped by error at step {step}: {error}")
     if dev.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.time() - t_train
@@ -353,9 +361,10 @@ def stage_train(args, stats):
     model.eval()
     model.config.output_router_logits = False
     model.config.use_cache = True
+    eot, bos = tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(BOS)
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = bos, eot, bos
     model.to(torch.bfloat16)
     model.save_pretrained(args.out, max_shard_size="15MB")
-    eot, bos = tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(BOS)
     GenerationConfig(bos_token_id=bos, eos_token_id=[eot, bos], pad_token_id=bos).save_pretrained(args.out)
     stats["train"] = dict(
         data_counts=counts,
@@ -383,6 +392,7 @@ def stage_train(args, stats):
         parameters=n_params,
         quick_eval_convs=len(quick),
         curve=curve,
+        error=error,
     )
     log(f"[train] saved bf16 model to {args.out}")
 
@@ -422,7 +432,9 @@ def stage_eval(args, stats):
     if dev.type == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     tokenizer = load_tokenizer(args.out)
-    model = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32).to(dev).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.out, dtype=torch.float32, experts_implementation=args.eval_experts_impl
+    ).to(dev).eval()
     cfg = model.config
     held = sg.heldout_conversations()
     if args.max_eval_convs:
@@ -583,7 +595,7 @@ def plot_curve(stats, path: Path):
         ax.plot(*zip(*ho), "o-", ms=3, lw=1, label=f"held-out ({stats['train']['quick_eval_convs']} conv.)")
     ax.set_xlabel("tokens (M)")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_ylim(top=min(8.0, max(v for _, v in tr)), bottom=max(0.0, min(v for _, v in tr + ho) - 0.3))
+    ax.set_ylim(top=min(5.0, max(v for _, v in tr)), bottom=max(0.0, min(v for _, v in tr + ho) - 0.3))
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("moetide demo model (Qwen3-MoE 29 M)")
@@ -637,6 +649,7 @@ def main(argv=None):
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every-s", type=float, default=45.0)
     ap.add_argument("--quick-eval-convs", type=int, default=64)
+    ap.add_argument("--eval-experts-impl", default="eager", help="experts implementation for the eval stage")
     ap.add_argument("--eval-max-len", type=int, default=512)
     ap.add_argument("--eval-batch-size", type=int, default=8)
     ap.add_argument("--max-train-convs", type=int, default=0, help="smoke tests: use only this many")

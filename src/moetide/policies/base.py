@@ -89,9 +89,13 @@ class ExpertPolicy(Protocol):
         self, iteration: int, embedding: torch.Tensor, num_tokens: int, request_ids: Sequence[int] = ()
     ) -> None: ...
 
-    def observe_layer(self, iteration: int, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor) -> None: ...
+    def observe_layer(
+        self, iteration: int, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor
+    ) -> None: ...
 
-    def observe_speculative(self, iteration: int, layer: int, distance: int, topk_ids: torch.Tensor) -> None: ...
+    def observe_speculative(
+        self, iteration: int, layer: int, distance: int, topk_ids: torch.Tensor
+    ) -> None: ...
 
     def end_iteration(self, iteration: int) -> None: ...
 
@@ -123,7 +127,9 @@ class PolicyBase:
     ) -> None:
         pass
 
-    def observe_layer(self, iteration: int, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    def observe_layer(
+        self, iteration: int, layer: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor
+    ) -> None:
         pass
 
     def observe_speculative(self, iteration: int, layer: int, distance: int, topk_ids: torch.Tensor) -> None:

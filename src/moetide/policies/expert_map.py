@@ -56,7 +56,9 @@ class ExpertMapStore:
     Thread-safe (one lock); searches and inserts are O(N * L * J) matrix-vector products.
     """
 
-    def __init__(self, capacity: int, num_layers: int, num_experts: int, hidden_size: int, prefetch_distance: int):
+    def __init__(
+        self, capacity: int, num_layers: int, num_experts: int, hidden_size: int, prefetch_distance: int
+    ):
         if capacity < 1 or num_layers < 1 or num_experts < 1 or hidden_size < 1:
             raise ValueError("capacity, num_layers, num_experts and hidden_size must be >= 1")
         if not 1 <= prefetch_distance <= num_layers:
@@ -201,7 +203,9 @@ class ExpertMapStore:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, *, capacity: int | None = None, prefetch_distance: int | None = None) -> ExpertMapStore:
+    def load(
+        cls, path: str | Path, *, capacity: int | None = None, prefetch_distance: int | None = None
+    ) -> ExpertMapStore:
         """Read a store written by `save`; `capacity` / `prefetch_distance` override the saved ones."""
         from safetensors import safe_open
 

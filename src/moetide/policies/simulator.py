@@ -67,7 +67,14 @@ class SimulatedExpertCache:
     Keys are flat: key = layer * J + expert. All arrays are (L * J,).
     """
 
-    def __init__(self, num_layers: int, num_experts: int, capacity_experts: int, scope: str = "global", eviction: str = "lru"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        capacity_experts: int,
+        scope: str = "global",
+        eviction: str = "lru",
+    ):
         if scope not in CACHE_SCOPES:
             raise ValueError(f"scope must be one of {CACHE_SCOPES}, got {scope!r}")
         if eviction not in EVICTION_RULES:
@@ -225,7 +232,15 @@ class SimulationResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("hit_rate", "decode_hit_rate", "prefill_hit_rate", "precision", "recall", "bytes_moved", "hi_share"):
+        for name in (
+            "hit_rate",
+            "decode_hit_rate",
+            "prefill_hit_rate",
+            "precision",
+            "recall",
+            "bytes_moved",
+            "hi_share",
+        ):
             d[name] = getattr(self, name)
         return d
 

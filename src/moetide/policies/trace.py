@@ -170,7 +170,9 @@ class Trace:
         """A new trace made of the given steps, in the given order."""
         steps = torch.as_tensor(steps, dtype=torch.int64)
         counts = self.token_offsets[1:] - self.token_offsets[:-1]
-        token_rows = [torch.arange(int(self.token_offsets[s]), int(self.token_offsets[s + 1])) for s in steps.tolist()]
+        token_rows = [
+            torch.arange(int(self.token_offsets[s]), int(self.token_offsets[s + 1])) for s in steps.tolist()
+        ]
         rows = torch.cat(token_rows) if token_rows else torch.zeros(0, dtype=torch.int64)
         offsets = torch.zeros(len(steps) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(counts[steps], 0) if len(steps) else offsets[1:]
@@ -204,7 +206,11 @@ class Trace:
         for t in traces[1:]:
             m = t.meta
             if (m.num_layers, m.num_experts, m.top_k, m.hidden_size, m.spec_distances) != (
-                m0.num_layers, m0.num_experts, m0.top_k, m0.hidden_size, m0.spec_distances
+                m0.num_layers,
+                m0.num_experts,
+                m0.top_k,
+                m0.hidden_size,
+                m0.spec_distances,
             ):
                 raise ValueError("traces of different geometry cannot be concatenated")
         have_spec = all(t.spec_topk is not None for t in traces)
@@ -240,7 +246,11 @@ class Trace:
         }
         if self.spec_topk is not None:
             tensors["spec_topk"] = self.spec_topk
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"moetide_trace": self.meta.to_json()})
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(path),
+            metadata={"moetide_trace": self.meta.to_json()},
+        )
         return path
 
     @classmethod
@@ -252,7 +262,7 @@ class Trace:
             if "moetide_trace" not in header:
                 raise ValueError(f"{path} is not a moetide trace (no 'moetide_trace' metadata)")
             meta = TraceMeta.from_json(header["moetide_trace"])
-            t = {k: f.get_tensor(k) for k in f.keys()}
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has keys(), not __iter__
         return cls(
             meta,
             t["request_ids"],
@@ -282,7 +292,9 @@ class TraceRecorder(PolicyBase):
 
     name = "trace"
 
-    def __init__(self, spec_distances: Sequence[int] = (), *, model_type: str = "", moe_layer_ids=(), source: str = ""):
+    def __init__(
+        self, spec_distances: Sequence[int] = (), *, model_type: str = "", moe_layer_ids=(), source: str = ""
+    ):
         self.speculative_distances = tuple(int(d) for d in spec_distances)
         self._model_type = model_type
         self._moe_layer_ids = tuple(moe_layer_ids)
@@ -386,12 +398,15 @@ def record_trace(
     eos_token_id: int | None = None,
     request_id_start: int = 0,
     source: str = "",
+    continuations: Sequence[Sequence[int]] | None = None,
 ) -> Trace:
     """Record a trace from a plain transformers MoE model by greedy decoding each prompt.
 
     `prompts`: token-id lists, one request each (decoded one after the other, batch 1). Each request
     is one prefill step plus up to `max_new_tokens - 1` decode steps (the last generated token needs
-    no forward). Routers are observed with forward hooks (`PolicyHooks`); nothing is patched.
+    no forward). `continuations`: teacher forcing, see `greedy_generate` (e.g. the reference reply,
+    so that decode steps route real text rather than a small model's greedy loops).
+    Routers are observed with forward hooks (`PolicyHooks`); nothing is patched.
     """
     from .hooks import PolicyHooks, greedy_generate
 
@@ -403,8 +418,15 @@ def record_trace(
     hooks = PolicyHooks(hf_model, adapter, [recorder])
     recorder._moe_layer_ids = tuple(hooks.moe_layer_ids)
     try:
-        greedy_generate(hf_model, prompts, max_new_tokens, hooks=hooks, eos_token_id=eos_token_id,
-                        request_id_start=request_id_start)
+        greedy_generate(
+            hf_model,
+            prompts,
+            max_new_tokens,
+            hooks=hooks,
+            eos_token_id=eos_token_id,
+            request_id_start=request_id_start,
+            continuations=continuations,
+        )
     finally:
         hooks.remove()
     return recorder.trace()
