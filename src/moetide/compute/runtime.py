@@ -137,9 +137,23 @@ class ExpertRuntime:
 
         return quant.dequantize(version.views, version.meta, dtype)
 
+    MAX_GROUPS = 1024  # grouped_mm's limit on groups per call
+
     def _grouped_into(self, out, hidden, ids_cpu, top_k_weights, group_of: dict[int, int], gate_up_all, down_all):
         """Add the experts in `group_of` (expert -> group of the weight tensors) to `out (T, H)`.
-        Pairs are selected and sorted on the host (the ids are already there), so no device sync."""
+        Pairs are selected and sorted on the host (the ids are already there), so no device sync.
+        Groups are windowed to the range the experts use, `MAX_GROUPS` at a time."""
+        first = min(group_of.values())
+        if max(group_of.values()) - first >= self.MAX_GROUPS or first > 0:
+            windows: dict[int, dict[int, int]] = {}
+            for e, g in group_of.items():
+                windows.setdefault((g - first) // self.MAX_GROUPS, {})[e] = g
+            for w, members in windows.items():
+                start = first + w * self.MAX_GROUPS
+                stop = min(start + self.MAX_GROUPS, gate_up_all.shape[0])
+                self._grouped_into(out, hidden, ids_cpu, top_k_weights, {e: g - start for e, g in members.items()},
+                                   gate_up_all[start:stop], down_all[start:stop])
+            return
         lookup = torch.full((self.num_experts,), -1, dtype=torch.long)
         lookup[list(group_of)] = torch.tensor(list(group_of.values()), dtype=torch.long)
         pair_group = lookup[ids_cpu].reshape(-1)

@@ -387,7 +387,9 @@ class ResidencyManager:
         layer*E + e for good (no-offload): the forward pass then needs no host sync."""
         if not self._static_hi:
             return None
-        return (layer * self.store.num_experts, *self.hi_pool_groups())
+        E = self.store.num_experts
+        gate_up, down = self.hi_pool_groups()
+        return 0, gate_up[layer * E : (layer + 1) * E], down[layer * E : (layer + 1) * E]
 
     def static_lo_rows(self, layer: int):
         """`(first slot of the layer, lo arena (S, nbytes), meta)` when every expert is lo-resident at

@@ -79,7 +79,9 @@ class DirectResidency:
             return None
         if self._groups is None:
             self._groups = hi_group_views(arena, self.store.shape)
-        return (layer * self.store.num_experts, *self._groups)
+        E = self.store.num_experts
+        gate_up, down = self._groups
+        return 0, gate_up[layer * E : (layer + 1) * E], down[layer * E : (layer + 1) * E]
 
     def hi_pool_groups(self):
         return None
