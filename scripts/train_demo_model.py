@@ -622,7 +622,7 @@ def stage_report(args, stats):
         "Files: " + ", ".join(f"`{f}`" for f in files) + ".",
         "",
     ]
-    (args.out / "MODEL.md").write_text("\n".join(head) + body)
+    (args.out / "MODEL.md").write_text("\n".join(head) + "\n" + body)
     log(body)
 
 
