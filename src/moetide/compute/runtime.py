@@ -8,8 +8,8 @@ runs the router and the shared experts; moetide computes the routed experts thro
     compute          each expert on its tokens, hi or lo version
     combine          weighted sum into (T, H), same order as transformers' eager experts
 
-Observation for policies comes from forward hooks (no class patching): the embedding layer's output
-starts an iteration, each router's logits are published for its layer.
+A forward hook on the embedding layer starts each iteration; policies observe the routers through
+`policies.hooks.PolicyHooks` (forward hooks too: no class patching).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..policies.base import ExpertPolicy
 from ..residency.metrics import ExpertMetrics
 from .expert_compute import ActFn, grouped_moe, grouped_pairs
 
@@ -31,33 +30,12 @@ class ExpertRuntime:
         self.act_fn = act_fn
         self.num_experts = num_experts
         self.top_k = top_k
-        self.policies: list[ExpertPolicy] = []
         self.iteration = 0
-        self._pending_logits: dict[int, torch.Tensor] = {}
 
-    # -- observation (called from hooks on the forward thread; never blocks) --------------------------
     def on_embedding(self, embeds: torch.Tensor) -> None:
-        """Embedding-layer output `(B, S, H)` starts a new iteration."""
+        """Embedding-layer output starts a new iteration (policies observe through `PolicyHooks`)."""
         self.iteration += 1
         self.residency.begin_iteration(self.iteration)
-        if self.policies:
-            h = embeds.detach().reshape(-1, embeds.shape[-1])
-            pooled = h.float().mean(dim=0).cpu()
-            for p in self.policies:
-                p.begin_iteration(self.iteration, pooled, h.shape[0])
-
-    def on_router(self, layer: int, router_logits: torch.Tensor) -> None:
-        if self.policies:
-            self._pending_logits[layer] = router_logits.detach()
-
-    def _publish_layer(self, layer: int, top_k_index: torch.Tensor) -> None:
-        logits = self._pending_logits.pop(layer, None)
-        if logits is None or not self.policies:
-            return
-        probs = torch.softmax(logits.float(), dim=-1).mean(dim=0).cpu()
-        ids = top_k_index.detach().cpu()
-        for p in self.policies:
-            p.observe_layer(self.iteration, layer, probs, ids)
 
     # -- the four stages ---------------------------------------------------------------------------------
     def run_layer(
@@ -67,7 +45,6 @@ class ExpertRuntime:
         static = self.residency.static_hi_groups(layer)
         if static is not None:  # every expert resident at a fixed slot: no host sync at all
             group_base, gate_up_all, down_all = static
-            self._publish_layer(layer, top_k_index)
             if hidden.device.type == "cpu":  # counting is free where there is no device to sync with
                 used = int(torch.unique(top_k_index).numel())
                 self.metrics.layers[layer].used += used
@@ -77,12 +54,10 @@ class ExpertRuntime:
         static_lo = self.residency.static_lo_rows(layer)
         if static_lo is not None and top_k_index.numel() <= self.top_k:  # one token: no host sync
             base, arena, meta = static_lo
-            self._publish_layer(layer, top_k_index)
             return self._pairs_from_rows(hidden, top_k_index, top_k_weights, arena, base, meta)
         ids_cpu = top_k_index.cpu()  # NOTE: host sync (counted): residency must know the experts
         self.metrics.host_syncs += 1
         experts = torch.unique(ids_cpu).tolist()
-        self._publish_layer(layer, top_k_index)
         out = None
         pending = experts
         while pending:  # more than one wave only when the pools cannot hold all `experts` at once

@@ -46,6 +46,36 @@ def kv_cache_tokens(config: EngineConfig, loaded: LoadedModel) -> int | None:
     return plan.fixed.kv_cache_tokens if plan is not None else config.kv_cache_tokens
 
 
+PREDICTIVE_POLICIES = ("finemoe", "lru", "moe-infinity", "dynaexq", "combined")
+
+
+def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
+    """Build the policy object for `config.policy` and hook it to the model and the residency core.
+
+    Residency-only policies (on-demand, static-*, no-offload) need no object: the memory mode is the
+    policy. dynaexq gets every hi slot for its hot set; combined gives half to DynaExq's hot set
+    and leaves half to FineMoE's prefetches.
+    """
+    from ..policies import make_policy
+    from ..policies.hooks import PolicyHooks
+
+    residency = loaded.runtime.residency
+    if config.policy not in PREDICTIVE_POLICIES or not hasattr(residency, "plan"):
+        return
+    layers = len(loaded.moe_layers)
+    experts = loaded.store.num_experts
+    share = 1.0 if config.policy == "dynaexq" else 0.5
+    n_hi = min(experts, int(residency.plan.hi_slots * share) // layers)
+    policy = make_policy(
+        config.policy,
+        prefetch_distance=config.prefetch_distance,
+        n_hi=n_hi,
+        map_store_path=config.extra.get("map_store_path"),
+    )
+    loaded.policy = policy
+    loaded.policy_hooks = PolicyHooks(loaded.model, loaded.adapter, [policy], sink=residency)
+
+
 def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[LoadedModel, LLMEngine, object]:
     """Load the checkpoint and wire model, residency, runner and engine from one config."""
     from ..residency import build_residency
@@ -62,6 +92,7 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
         ),
         progress=progress,
     )
+    attach_policy(config, loaded)
     model_len = getattr(loaded.config, "max_position_embeddings", None) or 4096
     max_model_len = min(config.max_model_len or model_len, model_len)
     eos = set()
@@ -155,4 +186,7 @@ class LLM:
         return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params)
 
     def close(self) -> None:
+        if self.loaded.policy is not None:
+            self.loaded.policy.close()
+            self.loaded.policy_hooks.remove()
         self.loaded.runtime.residency.close()

@@ -39,6 +39,8 @@ class LoadedModel:
     moe_layers: list[int]  # decoder-layer index of each MoE layer, in order
     device: torch.device
     dtype: torch.dtype
+    policy: object = None  # the policy object, for predictive policies (engine.llm.attach_policy)
+    policy_hooks: object = None
 
     @property
     def config(self):
@@ -185,9 +187,5 @@ def load_model(
 
 
 def _install_hooks(model: nn.Module, blocks, adapter: FamilyAdapter, runtime: ExpertRuntime) -> None:
-    """Forward hooks (on instances) that feed the policies: embeddings start an iteration, each router
-    publishes its logits."""
+    """A forward hook (on the instance) on the embedding layer starts each iteration."""
     model.get_input_embeddings().register_forward_hook(lambda _m, _i, out: runtime.on_embedding(out))
-    for i, (_, block) in enumerate(blocks):
-        router = getattr(block, adapter.router_attr)
-        router.register_forward_hook(lambda _m, _i, out, layer=i: runtime.on_router(layer, out[0]))

@@ -93,7 +93,12 @@ class ResidencyManager:
                     h.target = "lo"
 
     # -- ExpertSink (any thread; never blocks) -----------------------------------------------------
-    def prefetch(self, layer: int, experts: list[int], *, iteration: int) -> None:
+    @property
+    def capacity_experts(self) -> int:
+        """hi experts the device holds at once (all layers)."""
+        return self.plan.hi_slots
+
+    def prefetch(self, layer: int, experts: list[int], *, iteration: int, priorities=None) -> None:
         self._requests.put(("prefetch", layer, tuple(experts), iteration))
 
     def protect(self, layer: int, experts: list[int], *, iteration: int) -> None:
