@@ -403,6 +403,23 @@ class ResidencyManager:
             return None
         return layer * self.store.num_experts, self.pools["lo"].arena, self.store.meta[self.options.lo_precision]
 
+    def settle(self) -> None:
+        """Apply every queued request now, without the rate limit, and wait for all copies (for
+        evaluation and tests; the serving path never calls this)."""
+        self._drain_requests()
+        limit = self.options.max_background_copies
+        object.__setattr__(self.options, "max_background_copies", 1 << 30)
+        try:
+            self._issue_background()
+        finally:
+            object.__setattr__(self.options, "max_background_copies", limit)
+        for row in self.handles:
+            for h in row:
+                for v in h.versions.values():
+                    if not v.published:
+                        v.ready.synchronize()
+                        v.published = True
+
     def resident_counts(self) -> dict[str, int]:
         counts = {"hi": 0, "lo": 0}
         for pool, lru in self._lru.items():
