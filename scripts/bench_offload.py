@@ -31,7 +31,8 @@ def main() -> int:
     ap.add_argument("--budget", default="4GiB")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-offload-tokens", type=int, default=5)
-    ap.add_argument("--policies", default="no-offload,static-int4,static-int2,on-demand,combined")
+    ap.add_argument("--policies", default="no-offload,static-int4,static-int2,on-demand,lru,finemoe,combined:lo",
+                    help="comma-separated; POLICY:lo runs it with --on-miss lo")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -70,10 +71,13 @@ def main() -> int:
                 record(bench_hf(ckpt, new_tokens=args.new_tokens, experts_implementation=impl))
             except Exception as e:  # one baseline failing must not lose the others
                 print(f"hf {impl}: {type(e).__name__}: {e}", flush=True)
-    for policy in args.policies.split(","):
+    for spec in args.policies.split(","):
+        policy, _, on_miss = spec.partition(":")
         budget = None if policy == "no-offload" else args.budget
         try:
-            record(bench_moetide(ckpt, policy, budget, new_tokens=args.new_tokens))
+            r = bench_moetide(ckpt, policy, budget, new_tokens=args.new_tokens, on_miss=on_miss or "stall")
+            r["on_miss"] = on_miss or "stall"
+            record(r)
         except Exception as e:
             print(f"moetide {policy}: {type(e).__name__}: {e}", flush=True)
             results["runs"].append({"engine": "moetide", "policy": policy, "gpu_memory": budget, "error": str(e)})
