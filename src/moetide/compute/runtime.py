@@ -72,14 +72,15 @@ class ExpertRuntime:
     def _compute(self, hidden, top_k_index, ids_cpu, top_k_weights, resolved) -> torch.Tensor:
         """hi versions: one grouped matmul over the hi pool's slots. lo versions: dequantized, at
         most `top_k` at a time (the dequant scratch of the budget), each chunk one grouped matmul."""
-        hi = {e: v.slot for e, v in resolved.items() if v.precision == "hi"}
-        lo = [e for e, v in resolved.items() if v.precision != "hi"]
+        pool_groups = self.residency.hi_pool_groups()
+        if pool_groups is None:  # no pool to group over (direct residency on a GPU): the chunked path
+            hi, lo = {}, sorted(resolved)
+        else:
+            hi = {e: v.slot for e, v in resolved.items() if v.precision == "hi"}
+            lo = [e for e, v in resolved.items() if v.precision != "hi"]
         out = torch.zeros_like(hidden)
-        pool_groups = self.residency.hi_pool_groups() if hi else None
-        if hi and pool_groups is not None:
+        if hi:
             self._grouped_into(out, hidden, ids_cpu, top_k_weights, hi, *pool_groups)
-        elif hi:
-            lo = sorted(resolved)  # no pool to group over (direct residency on a GPU): dequant path
         for start in range(0, len(lo), self.top_k):
             chunk = lo[start : start + self.top_k]
             weights = [self._dense_weights(resolved[e], hidden.dtype) for e in chunk]
