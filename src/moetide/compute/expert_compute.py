@@ -71,7 +71,7 @@ def grouped_moe(
     down_all: torch.Tensor,
     act_fn: ActFn,
 ) -> torch.Tensor:
-    """All of a layer's routed experts in two grouped matmuls, with no host sync: `(T, H)`.
+    """All of a layer's routed experts with no host sync: `(T, H)`.
 
     group_ids (T, k): the group (a slot of `gate_up_all (G, 2I, H)` / `down_all (G, H, I)`) holding
     each chosen expert. Token-expert pairs are sorted by group so that each group's rows are
@@ -79,10 +79,37 @@ def grouped_moe(
     """
     k = top_k_index.shape[1]
     flat = group_ids.reshape(-1)
+    if flat.numel() <= k:  # one token: gather its k experts, no sort needed
+        pair_token = torch.zeros_like(flat)
+        return gathered_pairs(hidden, top_k_weights.reshape(-1), pair_token, flat, gate_up_all, down_all, act_fn)
     order = torch.argsort(flat, stable=True)
     offs = torch.bincount(flat, minlength=gate_up_all.shape[0]).cumsum(0).to(torch.int32)
     return grouped_pairs(hidden, top_k_weights.reshape(-1).index_select(0, order), order // k, offs,
                          gate_up_all, down_all, act_fn)
+
+
+def gathered_pairs(
+    hidden: torch.Tensor,
+    pair_weights: torch.Tensor,
+    pair_token: torch.Tensor,
+    pair_group: torch.Tensor,
+    gate_up_all: torch.Tensor,
+    down_all: torch.Tensor,
+    act_fn: ActFn,
+) -> torch.Tensor:
+    """Few pairs (P <= top_k): gather each pair's expert weights and run two batched matmuls.
+
+    At decode batch 1, grouped_mm over mostly empty groups is launch- and tile-bound (measured on
+    the H200: see BENCHMARKS.md); copying P experts' weights (P * expert bytes of scratch) and one
+    `bmm` each way is faster. -> `(T, H)`.
+    """
+    gate_up = gate_up_all.index_select(0, pair_group)  # (P, 2I, H)
+    down = down_all.index_select(0, pair_group)  # (P, H, I)
+    x = hidden.index_select(0, pair_token).unsqueeze(1)  # (P, 1, H)
+    gate, up = torch.bmm(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(act_fn(gate) * up, down.transpose(1, 2)).squeeze(1)  # (P, H)
+    y = y * pair_weights.unsqueeze(1).to(y.dtype)
+    return torch.zeros_like(hidden).index_add_(0, pair_token, y.to(hidden.dtype))
 
 
 def grouped_pairs(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..residency.metrics import ExpertMetrics
-from .expert_compute import ActFn, grouped_moe, grouped_pairs
+from .expert_compute import ActFn, gathered_pairs, grouped_moe, grouped_pairs
 
 
 class ExpertRuntime:
@@ -138,9 +138,14 @@ class ExpertRuntime:
         offs = torch.bincount(pair_group[order], minlength=gate_up_all.shape[0]).cumsum(0).to(torch.int32)
         dev = hidden.device
         order_dev = order.to(dev, non_blocking=True)
-        out += grouped_pairs(hidden, top_k_weights.reshape(-1).index_select(0, order_dev),
-                             (order // ids_cpu.shape[1]).to(dev, non_blocking=True),
-                             offs.to(dev, non_blocking=True), gate_up_all, down_all, self.act_fn)
+        pair_weights = top_k_weights.reshape(-1).index_select(0, order_dev)
+        pair_token = (order // ids_cpu.shape[1]).to(dev, non_blocking=True)
+        if order.numel() <= self.top_k:  # decode batch 1: gather + bmm beats a sparse grouped_mm
+            pair_group = pair_group[order].to(dev, non_blocking=True)
+            out += gathered_pairs(hidden, pair_weights, pair_token, pair_group, gate_up_all, down_all, self.act_fn)
+            return
+        out += grouped_pairs(hidden, pair_weights, pair_token, offs.to(dev, non_blocking=True),
+                             gate_up_all, down_all, self.act_fn)
 
 
 class ManagedExperts(nn.Module):

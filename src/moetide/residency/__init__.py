@@ -70,7 +70,9 @@ def fixed_costs(config: EngineConfig, model_config, model, dtype: torch.dtype, h
         + heads * tokens * tokens * 4  # attention scores if the math path of SDPA is taken
         + config.max_num_seqs * model_config.vocab_size * 4 * 3  # last-position logits and sampling
     )
-    return FixedCosts(weights, kv_tokens * per_token, activations, 2 * hi_expert_bytes, kv_tokens)
+    top_k = getattr(model_config, "num_experts_per_tok", 2)
+    # decode batch 1 gathers top_k experts' weights; lo chunks dequantize top_k experts at a time
+    return FixedCosts(weights, kv_tokens * per_token, activations, top_k * hi_expert_bytes, kv_tokens)
 
 
 def build_residency(config: EngineConfig, store: HostExpertStore, metrics: ExpertMetrics, device: torch.device,
