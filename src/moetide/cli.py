@@ -23,9 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: CUDA when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--gpu-memory", default=None, help="hard cap on moetide's device memory, e.g. 6GiB")
-    p.add_argument("--policy", default="on-demand", choices=POLICIES, help="expert residency policy")
-    p.add_argument("--lo", dest="lo_precision", default="int4", choices=["int4", "int2"], help="low precision")
-    p.add_argument("--on-miss", default="stall", choices=["stall", "lo"], help="on a miss: load hi, or run lo")
+    p.add_argument("--policy", default="combined", choices=POLICIES, help="expert residency policy")
+    p.add_argument("--lo", dest="lo_precision", default="auto", choices=["auto", "int4", "int2"],
+                   help="lo precision (auto: int4 when every expert fits in int4 beside the hi cache, else int2)")
+    p.add_argument("--on-miss", default="lo", choices=["stall", "lo"], help="on a miss: run a resident lo version, or stall for hi")
     p.add_argument("--prefetch-distance", type=int, default=2, help="FineMoE prefetch distance d (layers)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -73,7 +73,8 @@ class EngineConfig:
         dtype: compute dtype ("auto" = checkpoint dtype on CUDA, float32 on CPU).
         gpu_memory_bytes: hard cap on what moetide allocates on the device; None = no cap.
         policy: expert residency policy (see POLICIES).
-        lo_precision: the low precision kept for "lo" versions ("int4" or "int2").
+        lo_precision: the low precision kept for "lo" versions ("int4", "int2" or "auto": int4 when all
+            experts fit in int4 with room left for a hi cache, else int2).
         on_miss: "stall" (load the hi version) or "lo" (run a resident lo version instead).
         prefetch_distance: FineMoE's d, in layers.
         max_num_seqs: sequences decoded together at most.
@@ -86,9 +87,9 @@ class EngineConfig:
     device: str | None = None
     dtype: str = "auto"
     gpu_memory_bytes: int | None = None
-    policy: str = "on-demand"
-    lo_precision: str = "int4"
-    on_miss: str = "stall"
+    policy: str = "combined"
+    lo_precision: str = "auto"
+    on_miss: str = "lo"
     prefetch_distance: int = 2
     max_num_seqs: int = 32
     max_model_len: int | None = None
@@ -99,8 +100,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of: {', '.join(POLICIES)}")
-        if self.lo_precision not in ("int4", "int2"):
-            raise ConfigError(f"lo precision must be int4 or int2, got {self.lo_precision!r}")
+        if self.lo_precision not in ("auto", "int4", "int2"):
+            raise ConfigError(f"lo precision must be auto, int4 or int2, got {self.lo_precision!r}")
         if self.on_miss not in ("stall", "lo"):
             raise ConfigError(f"--on-miss must be 'stall' or 'lo', got {self.on_miss!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

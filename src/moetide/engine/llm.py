@@ -128,7 +128,7 @@ class LLM:
         *,
         device: str | None = None,
         gpu_memory: str | int | None = None,
-        policy: str = "on-demand",
+        policy: str = "combined",
         dtype: str = "auto",
         max_num_seqs: int = 32,
         max_model_len: int | None = None,

@@ -33,8 +33,22 @@ POLICY_MODES = {
 MAX_PREFILL_TOKENS = 1024  # tokens per prefill forward; sizes the activation workspace
 
 
-def lo_precision_for(config: EngineConfig) -> str:
-    return {"static-int4": "int4", "static-int2": "int2"}.get(config.policy, config.lo_precision)
+AUTO_LO_MIN_HI_SHARE = 0.25  # "auto" keeps int4 only if >= this share of the expert memory is left for hi
+
+
+def lo_precision_for(config: EngineConfig, store: HostExpertStore | None = None, expert_room: int | None = None) -> str:
+    """The lo precision: fixed by static policies, else the config's, else (auto) int4 when every
+    expert fits in int4 with a quarter of the expert memory left for the hi cache, else int2."""
+    fixed = {"static-int4": "int4", "static-int2": "int2"}.get(config.policy)
+    if fixed or config.lo_precision != "auto":
+        return fixed or config.lo_precision
+    if store is None or expert_room is None:
+        return "int4"
+    from ..store import quant
+
+    shape = store.shape
+    int4_all = store.num_layers * store.num_experts * quant.nbytes_for("int4", shape.intermediate, shape.hidden, shape.dtype)
+    return "int4" if int4_all <= (1 - AUTO_LO_MIN_HI_SHARE) * expert_room else "int2"
 
 
 def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
@@ -79,17 +93,22 @@ def build_residency(config: EngineConfig, store: HostExpertStore, metrics: Exper
                     model, model_config, progress: bool = True):
     """The residency core for `config.policy` on `device` under `config.gpu_memory_bytes`."""
     mode, needs_lo = POLICY_MODES[config.policy]
-    lo = lo_precision_for(config)
     budget_bytes = config.gpu_memory_bytes
     if budget_bytes is None:
         if device.type == "cpu" and mode != "all-lo":
             return DirectResidency(store, metrics)  # host memory is device memory: nothing to move
         budget_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9) if device.type == "cuda" else 1 << 62
+    hi_bytes = store.bytes_per_expert("hi")
+    if config.gpu_memory_bytes is None and mode in ("hi-cache", "lo+hi"):
+        room = budget_bytes - fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes).total
+        if store.num_layers * store.num_experts * hi_bytes <= room:
+            mode, needs_lo = "all-hi", False  # no cap given and the whole model fits: nothing to offload
+    lo = lo_precision_for(config, store, budget_bytes - fixed_costs(config, model_config, model, store.shape.dtype,
+                                                                    hi_bytes, budget_bytes).total)
     if needs_lo and lo not in store.versions:
         from ..store.prepare import ensure_precision
 
         ensure_precision(store, config.model_path, lo, progress=progress)
-    hi_bytes = store.bytes_per_expert("hi")
     lo_bytes = store.bytes_per_expert(lo) if lo in store.versions else 0
     fixed = fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes)
     top_k = getattr(model_config, "num_experts_per_tok", 1)

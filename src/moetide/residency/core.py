@@ -151,7 +151,9 @@ class ResidencyManager:
         version = handle.versions.pop(pool)
         self._lru[pool].pop((handle.layer, handle.expert), None)
         handle.evicting += 1
-        self._pending_free.append((pool, version.slot, handle, version.last_read))
+        # a version still being copied was never read: its slot is free once the copy has landed
+        gate = version.last_read if version.published else version.ready
+        self._pending_free.append((pool, version.slot, handle, gate))
         self.metrics.bump("evictions")
         if pool == "hi" and handle.target == "lo" and handle.published("lo") is not None:
             self.metrics.bump("demotions")
@@ -226,7 +228,7 @@ class ResidencyManager:
 
             meta = self.store.meta[precision]
             views = quant.expert_views(dst, meta)
-        version = DeviceVersion(pool, precision, slot, event, views, meta)
+        version = DeviceVersion(pool, precision, slot, event, views, meta, last_use=self._tick)
         handle.versions[pool] = version
         self._lru[pool][(handle.layer, handle.expert)] = None
         return version
@@ -270,7 +272,8 @@ class ResidencyManager:
                 self.metrics.bump("promotions")
                 budget -= 1
             elif target == "lo" and "hi" in h.versions and h.published("lo") is not None and not h.in_use:
-                self._evict(h, "hi")
+                if self._publish_if_ready(h.versions["hi"]):  # a hi copy still in flight is left to land
+                    self._evict(h, "hi")
 
     def _touch(self, handle: ExpertHandle, pool: str) -> None:
         self._tick += 1
