@@ -313,6 +313,10 @@ class TraceSimulator:
         self._iteration = -1
         self._observed_layer = -1
         self._predicted: list[set[int]] = [set() for _ in range(m.num_layers)]
+        if not getattr(policy, "synchronous", True):
+            raise ValueError(
+                f"{self.result.policy}: simulate a policy in synchronous mode (synchronous=True)"
+            )
         policy.attach(self, m.num_layers, m.num_experts, m.top_k)
 
     # -- ExpertSink ---------------------------------------------------------------------------------

@@ -293,9 +293,16 @@ class TraceRecorder(PolicyBase):
     name = "trace"
 
     def __init__(
-        self, spec_distances: Sequence[int] = (), *, model_type: str = "", moe_layer_ids=(), source: str = ""
+        self,
+        spec_distances: Sequence[int] = (),
+        *,
+        model_type: str = "",
+        moe_layer_ids=(),
+        source: str = "",
+        extra: dict | None = None,
     ):
         self.speculative_distances = tuple(int(d) for d in spec_distances)
+        self.extra = dict(extra or {})
         self._model_type = model_type
         self._moe_layer_ids = tuple(moe_layer_ids)
         self._source = source
@@ -372,6 +379,7 @@ class TraceRecorder(PolicyBase):
             model_type=self._model_type,
             moe_layer_ids=self._moe_layer_ids,
             source=self._source,
+            extra=self.extra,
         )
         counts = torch.tensor([s[4].shape[0] for s in self._steps], dtype=torch.int64)
         offsets = torch.zeros(len(self._steps) + 1, dtype=torch.int64)
@@ -406,6 +414,7 @@ def record_trace(
     is one prefill step plus up to `max_new_tokens - 1` decode steps (the last generated token needs
     no forward). `continuations`: teacher forcing, see `greedy_generate` (e.g. the reference reply,
     so that decode steps route real text rather than a small model's greedy loops).
+    The prompts' ids are kept in `meta.extra["prompt_ids"]` (request order).
     Routers are observed with forward hooks (`PolicyHooks`); nothing is patched.
     """
     from .hooks import PolicyHooks, greedy_generate
@@ -414,6 +423,7 @@ def record_trace(
         spec_distances,
         model_type=getattr(hf_model.config, "model_type", ""),
         source=source,
+        extra={"prompt_ids": [[int(t) for t in p] for p in prompts]},
     )
     hooks = PolicyHooks(hf_model, adapter, [recorder])
     recorder._moe_layer_ids = tuple(hooks.moe_layer_ids)

@@ -1,0 +1,381 @@
+"""FineMoE: fine-grained expert prefetch from expert maps (semantic + trajectory search).
+
+Per iteration (one forward step):
+    begin      semantic search with the step's embedding -> best map -> prefetch layers 0..d-1
+    layer l    trajectory search with the observed P_0..P_l -> best map's P_{l+d} -> prefetch l+d
+    end        the iteration's map (embedding, P_0..P_{L-1}) goes into the store (RDY dedup when full)
+Each prefetch takes the matched distribution's experts in descending probability until their mass
+exceeds delta = clip(1 - score, 0, 1), never fewer than top-k, and also *protects* them (eviction
+spares them until their layer has run). A step of several tokens (a prefill) needs the union of its
+tokens' experts, so its floor is the number of distinct experts it selected at its last observed layer
+(before any layer: `expected_distinct` from the matched distribution) instead of top-k.
+
+Asynchronous searcher (publisher/subscriber): the forward thread's methods only put an event on a
+`queue.SimpleQueue` (never blocks) and record how far the forward pass has got; a searcher thread
+consumes events, searches, and calls the sink. A search whose target layer the forward pass has
+already reached is skipped (`late_skipped`). `synchronous=True` runs the same handler inline (the
+simulator uses it, so simulated hit rates reflect this exact code).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from .base import PolicyBase
+from .expert_map import ExpertMapStore, delta_from_score, select_by_cumulative_probability
+
+_STOP = ("stop",)
+
+
+def expected_distinct(probs: torch.Tensor, num_tokens: int, top_k: int) -> int:
+    """Distinct experts a step of `num_tokens` tokens is expected to select at one layer, if each
+    token picks expert e with probability min(1, top_k * p_e): sum_e 1 - (1 - f_e)^T.
+    Equals top_k for one token (unless the distribution is peaked enough to clamp)."""
+    if num_tokens <= 1:
+        return top_k
+    f = (probs.float() * top_k).clamp(max=1.0)
+    return round(float((1.0 - (1.0 - f) ** num_tokens).sum()))
+
+
+@dataclass(frozen=True)
+class FineMoEConfig:
+    """Knobs of `FineMoEPolicy`; ablation switches included.
+
+    prefetch_distance: d, in layers (paper: Mixtral 3, Qwen1.5-MoE 6, Phi-3.5-MoE 4; profile it).
+    map_store_capacity: expert maps kept (paper: 1000, < 200 MB).
+    use_semantic / use_trajectory: the two searches ("Map(T)" = trajectory only, "Map(T+S)" = both).
+        With trajectory off, the semantic match of the iteration also drives layers d..L-1.
+    adaptive_delta: cumulative-probability selection (off = exactly the floor, top-k for one token).
+    online_updates: insert each finished iteration's map into the store.
+    protect_predictions: tell the sink to spare predicted experts from eviction.
+    synchronous: run the searcher inline (simulation, tests).
+    max_queue: events beyond this backlog are dropped (the forward pass never waits).
+    preferred_eviction: eviction rule the simulator uses for this policy ("prob-freq": FineMoE's).
+    """
+
+    prefetch_distance: int = 2
+    map_store_capacity: int = 1000
+    use_semantic: bool = True
+    use_trajectory: bool = True
+    adaptive_delta: bool = True
+    online_updates: bool = True
+    protect_predictions: bool = True
+    synchronous: bool = False
+    max_queue: int = 10_000
+    preferred_eviction: str = "prob-freq"
+
+    def __post_init__(self) -> None:
+        if self.prefetch_distance < 1:
+            raise ValueError(f"prefetch_distance must be >= 1 layer, got {self.prefetch_distance}")
+        if self.map_store_capacity < 1:
+            raise ValueError(f"map_store_capacity must be >= 1, got {self.map_store_capacity}")
+        if not (self.use_semantic or self.use_trajectory):
+            raise ValueError("enable at least one of use_semantic / use_trajectory")
+
+
+class FineMoEPolicy(PolicyBase):
+    """FineMoE prefetch policy behind the `ExpertPolicy` interface.
+
+    `store` may be given (e.g. loaded with `ExpertMapStore.load`); otherwise one is created at the
+    first `warm_up` or the first observed embedding.
+    """
+
+    name = "finemoe"
+
+    def __init__(self, config: FineMoEConfig | None = None, store: ExpertMapStore | None = None, **overrides):
+        config = config or FineMoEConfig()
+        self.config = replace(config, **overrides) if overrides else config
+        self.prefetch_distance = self.config.prefetch_distance
+        self.preferred_eviction = self.config.preferred_eviction
+        self.store = store
+        # forward-thread state (written only by the forward thread)
+        self._progress: tuple[int, int] = (-1, -1)
+        # searcher state (touched only by the handler)
+        self._it = -1
+        self._embedding: torch.Tensor | None = None
+        self._prefix: list[torch.Tensor] = []
+        self._semantic_match: tuple[float, int] | None = None
+        self._num_tokens = 1
+        # counters
+        self.semantic_searches = 0
+        self.trajectory_searches = 0
+        self.prefetch_requests = 0
+        self.prefetched_experts = 0
+        self.late_skipped = 0
+        self.dropped_events = 0
+        self.search_time_s = 0.0
+        self.errors: list[str] = []
+        self._submitted = 0
+        self._processed = 0
+        self._idle = threading.Condition()
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def synchronous(self) -> bool:
+        """True when the searcher runs inline (what the simulator needs)."""
+        return self.config.synchronous
+
+    # -- set-up -------------------------------------------------------------------------------------
+    def attach(self, sink, num_layers, num_experts, top_k) -> None:
+        super().attach(sink, num_layers, num_experts, top_k)
+        if self.config.prefetch_distance > num_layers:
+            raise ValueError(
+                f"prefetch_distance {self.config.prefetch_distance} exceeds {num_layers} MoE layers"
+            )
+        if self.store is not None and (self.store.num_layers, self.store.num_experts) != (
+            num_layers,
+            num_experts,
+        ):
+            raise ValueError("the expert map store was built for a different model geometry")
+        if not self.config.synchronous and self._thread is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._searcher_loop, name="finemoe-searcher", daemon=True)
+            self._thread.start()
+
+    def _ensure_store(self, num_layers: int, num_experts: int, hidden_size: int) -> ExpertMapStore:
+        if self.store is None:
+            self.store = ExpertMapStore(
+                self.config.map_store_capacity,
+                num_layers,
+                num_experts,
+                hidden_size,
+                self.config.prefetch_distance,
+            )
+        return self.store
+
+    def warm_up(self, trace) -> int:
+        """Fill the store from a recorded `Trace` (every step's map, in order). Returns inserts."""
+        m = trace.meta
+        return self._ensure_store(m.num_layers, m.num_experts, m.hidden_size).add_trace(trace)
+
+    def save_store(self, path) -> None:
+        if self.store is None:
+            raise ValueError("the expert map store is empty")
+        self.store.save(path)
+
+    def load_store(self, path) -> None:
+        self.store = ExpertMapStore.load(
+            path, capacity=self.config.map_store_capacity, prefetch_distance=self.config.prefetch_distance
+        )
+
+    # -- forward thread: publish only -----------------------------------------------------------------
+    def _submit(self, event: tuple) -> None:
+        if self.config.synchronous:
+            self._handle(event)
+            return
+        if self._queue is None:
+            return  # not attached
+        if self._submitted - self._processed >= self.config.max_queue:
+            self.dropped_events += 1
+            return
+        self._submitted += 1
+        self._queue.put(event)
+
+    def begin_iteration(self, iteration, embedding, num_tokens, request_ids=()) -> None:
+        self._progress = (iteration, -1)
+        self._submit(("begin", iteration, embedding, num_tokens))
+
+    def observe_layer(self, iteration, layer, gate_probs, topk_ids) -> None:
+        self._progress = (iteration, layer)
+        self._submit(("layer", iteration, layer, gate_probs, topk_ids))
+
+    def end_iteration(self, iteration) -> None:
+        self._submit(("end", iteration))
+
+    # -- searcher -----------------------------------------------------------------------------------
+    def _searcher_loop(self) -> None:
+        assert self._queue is not None
+        while True:
+            event = self._queue.get()
+            if event is _STOP:
+                return
+            try:
+                self._handle(event)
+            except Exception as e:  # noqa: BLE001 - a failed search must never take the engine down
+                self.errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                with self._idle:
+                    self._processed += 1
+                    self._idle.notify_all()
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the searcher has handled every event published so far (tests, shutdown only)."""
+        if self.config.synchronous:
+            return True
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._processed < self._submitted:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def _is_late(self, iteration: int, target_layer: int) -> bool:
+        if self.config.synchronous:
+            return False
+        it, layer = self._progress
+        return it > iteration or (it == iteration and layer >= target_layer)
+
+    def _handle(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "begin":
+            _, it, embedding, num_tokens = event
+            self._it, self._embedding, self._prefix, self._semantic_match = it, embedding, [], None
+            self._num_tokens = num_tokens
+            store = self._ensure_store(self.num_layers, self.num_experts, embedding.shape[-1])
+            if not self.config.use_semantic or len(store) == 0:
+                return
+            t0 = time.perf_counter()
+            match = store.semantic_search(embedding)
+            self.search_time_s += time.perf_counter() - t0
+            self.semantic_searches += 1
+            if match is None:
+                return
+            self._semantic_match = match
+            score, row = match
+            stored = store.map(row)
+            for layer in range(min(self.config.prefetch_distance, self.num_layers)):
+                if self._is_late(it, layer):
+                    self.late_skipped += 1
+                    continue
+                floor = expected_distinct(stored[layer], num_tokens, self.top_k)
+                self._issue(it, layer, stored[layer], score, floor)
+        elif kind == "layer":
+            _, it, layer, probs, topk_ids = event
+            if it != self._it or layer != len(self._prefix):
+                return  # the begin event or an earlier layer was dropped: skip this iteration
+            self._prefix.append(probs.detach().float().reshape(-1))
+            target = layer + self.config.prefetch_distance
+            if target >= self.num_layers or self.store is None or len(self.store) == 0:
+                return
+            if self._is_late(it, target):
+                self.late_skipped += 1
+                return
+            if self.config.use_trajectory:
+                t0 = time.perf_counter()
+                match = self.store.trajectory_search(torch.stack(self._prefix))
+                self.search_time_s += time.perf_counter() - t0
+                self.trajectory_searches += 1
+            else:
+                match = self._semantic_match
+            if match is None:
+                return
+            score, row = match
+            # a step needs as many experts per layer as it just used (top-k for one token)
+            floor = self.top_k if self._num_tokens == 1 else int(torch.unique(topk_ids).numel())
+            self._issue(it, target, self.store.map(row)[target], score, floor)
+        elif kind == "end":
+            _, it = event
+            if (
+                self.config.online_updates
+                and it == self._it
+                and len(self._prefix) == self.num_layers
+                and self._embedding is not None
+                and self.store is not None
+            ):
+                self.store.add(self._embedding, torch.stack(self._prefix))
+
+    def _issue(self, iteration: int, layer: int, probs: torch.Tensor, score: float, floor: int) -> None:
+        """Prefetch (and protect) layer `layer`'s experts from a matched distribution `probs` (J,).
+
+        `floor`: experts the step needs at least (top-k for a one-token step); the ablation without
+        adaptive delta takes exactly that many.
+        """
+        floor = max(floor, self.top_k)
+        if self.config.adaptive_delta:
+            experts = select_by_cumulative_probability(probs, delta_from_score(score), floor)
+        else:
+            experts = torch.sort(probs, descending=True, stable=True).indices[:floor].tolist()
+        priorities = probs[experts].tolist()
+        self.prefetch_requests += 1
+        self.prefetched_experts += len(experts)
+        if self.config.protect_predictions:  # first, so that the prefetch cannot evict its own experts
+            self.sink.protect(layer, experts, iteration=iteration)
+        self.sink.prefetch(layer, experts, iteration=iteration, priorities=priorities)
+
+    # -- shutdown / report --------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._thread is not None and self._queue is not None:
+            self._queue.put(_STOP)
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    def stats(self) -> dict:
+        searches = self.semantic_searches + self.trajectory_searches
+        return {
+            "semantic_searches": self.semantic_searches,
+            "trajectory_searches": self.trajectory_searches,
+            "prefetch_requests": self.prefetch_requests,
+            "mean_prefetch_size": self.prefetched_experts / self.prefetch_requests
+            if self.prefetch_requests
+            else 0.0,
+            "late_skipped": self.late_skipped,
+            "dropped_events": self.dropped_events,
+            "mean_search_us": 1e6 * self.search_time_s / searches if searches else 0.0,
+            "store_size": len(self.store) if self.store is not None else 0,
+            "errors": len(self.errors),
+        }
+
+
+# -- ablation presets (paper Fig. "hit-count -> Map(T) -> Map(T+S) -> Map(T+S+delta)") ---------------
+ABLATIONS: dict[str, dict] = {
+    "map-t": {"use_semantic": False, "use_trajectory": True, "adaptive_delta": False},
+    "map-ts": {"use_semantic": True, "use_trajectory": True, "adaptive_delta": False},
+    "map-ts-delta": {"use_semantic": True, "use_trajectory": True, "adaptive_delta": True},
+}
+
+
+def profile_prefetch_distance(
+    warm_trace,
+    test_trace,
+    capacity_experts: int,
+    *,
+    distances: Sequence[int] | None = None,
+    layer_time_s: float | None = None,
+    transfer_time_s: float | None = None,
+    search_time_s: float = 0.0,
+    config: FineMoEConfig | None = None,
+    **simulate_kwargs,
+) -> dict:
+    """Pick FineMoE's prefetch distance d for a model.
+
+    Simulates FineMoE (store warmed on `warm_trace`, measured on `test_trace`) at each d and picks the
+    d with the best hit rate among the *feasible* ones: when `layer_time_s` (measured compute time of
+    one layer) and `transfer_time_s` (host->device time of one layer's predicted experts) are given, a
+    prefetch issued d layers ahead must arrive in time: d * layer_time_s >= search_time_s +
+    transfer_time_s. Ties go to the smaller d. Returns {"best": d, "min_feasible": d0, "table": [...]}.
+    """
+    from .simulator import simulate
+
+    L = test_trace.meta.num_layers
+    distances = list(distances) if distances is not None else list(range(1, L))
+    min_feasible = 1
+    if layer_time_s is not None and transfer_time_s is not None and layer_time_s > 0:
+        min_feasible = max(1, math.ceil((search_time_s + transfer_time_s) / layer_time_s))
+    base = config or FineMoEConfig()
+    table = []
+    for d in distances:
+        policy = FineMoEPolicy(replace(base, prefetch_distance=d, synchronous=True))
+        policy.warm_up(warm_trace)
+        res = simulate(test_trace, policy, capacity_experts, **simulate_kwargs)
+        table.append(
+            {
+                "d": d,
+                "hit_rate": res.hit_rate,
+                "feasible": d >= min_feasible,
+                "precision": res.precision,
+                "recall": res.recall,
+            }
+        )
+    feasible = [row for row in table if row["feasible"]] or table
+    best = max(feasible, key=lambda row: (row["hit_rate"], -row["d"]))
+    return {"best": best["d"], "min_feasible": min_feasible, "table": table}
