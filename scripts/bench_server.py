@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-import openai
 
 
 @dataclass
@@ -122,56 +121,54 @@ def scrape(url: str) -> dict[str, float]:
 
 
 # -- one request, one level ------------------------------------------------------------------------------------
-async def one_request(client, model: str, prompt: str, args, concurrency: int) -> RequestRecord:
-    extra = {"ignore_eos": True}
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, concurrency: int) -> RequestRecord:
+    """One streamed request over plain HTTP + SSE (httpx only, so the GPU machine needs no openai
+    client); chunk arrival times give TTFT and TPOT, the final usage chunk the token counts."""
+    body = {
+        "model": model,
+        "max_tokens": args.output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    if args.endpoint == "chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", prompt
     sent = time.perf_counter()
     first = last = None
     usage = None
     try:
-        if args.endpoint == "chat":
-            stream = await client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": prompt}],
-                max_tokens=args.output_len,
-                temperature=args.temperature,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body=extra,
-            )
-        else:
-            stream = await client.completions.create(
-                model=model,
-                prompt=prompt,
-                max_tokens=args.output_len,
-                temperature=args.temperature,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body=extra,
-            )
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                text = choice.delta.content if args.endpoint == "chat" else choice.text
-                if text:
-                    first = first if first is not None else now
-                    last = now
-    except openai.APIError as e:
-        return RequestRecord(
-            concurrency, len(prompt), None, 0, None, None, time.perf_counter() - sent, str(e)
-        )
-    n = usage.completion_tokens if usage else 0
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:200]
+                raise httpx.HTTPStatusError(f"HTTP {response.status_code}: {detail}", request=response.request,
+                                            response=response)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    text = (choice.get("delta") or {}).get("content") if args.endpoint == "chat" else choice.get("text")
+                    if text:
+                        first = first if first is not None else now
+                        last = now
+    except httpx.HTTPError as e:
+        return RequestRecord(concurrency, len(prompt), None, 0, None, None, time.perf_counter() - sent, str(e))
+    n = usage["completion_tokens"] if usage else 0
     ttft = first - sent if first is not None else None
     tpot = (last - first) / (n - 1) if first is not None and n > 1 else None
-    prompt_tokens = usage.prompt_tokens if usage else None
+    prompt_tokens = usage["prompt_tokens"] if usage else None
     return RequestRecord(concurrency, len(prompt), prompt_tokens, n, ttft, tpot, time.perf_counter() - sent)
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, args, offset: int):
-    client = openai.AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=args.request_timeout
-    )
+    client = httpx.AsyncClient(base_url=url, timeout=args.request_timeout,
+                               limits=httpx.Limits(max_connections=concurrency + 4))
     records: list[RequestRecord] = []
 
     async def worker(w: int):
@@ -183,7 +180,7 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
     try:
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
     finally:
-        await client.close()
+        await client.aclose()
     return records, time.perf_counter() - start
 
 
