@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Issue 5: the FineMoE searcher's cost, on the engine, against the decode iteration time.
+
+Demo model, a budget where every expert fits (so prefetches move nothing and only the policy's own
+cost differs), the map store warmed from held-out conversations 0..W-1, measured on W..W+N-1:
+  - decode step time with FineMoE attached (forward hooks publish, the searcher thread searches)
+    and with the hooks removed (same residency, same prompts);
+  - the searcher thread's busy time (sum of its search times) over the measured wall time.
+
+    python scripts/bench_searcher.py --out results.json [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import moetide
+from moetide.data.sharegpt import heldout_conversations
+from moetide.policies.trace import record_trace
+
+
+def user_prompts(tokenizer, convs, max_len=256):
+    out = []
+    for c in convs:
+        user = next((t for role, t in c["turns"] if role == "user"), None)
+        if user:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            out.append(ids[-max_len:])
+    return out
+
+
+def timed_decode(llm, prompts, new_tokens):
+    """Per-step wall times of batch-1 generations (device-synchronized)."""
+    times = []
+    engine = llm.engine
+    for ids in prompts:
+        engine.add_request(ids, moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+        while engine.has_unfinished():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return times[1:]  # drop the first step (a prefill)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--warm", type=int, default=48, help="held-out conversations used to warm the store")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    llm = moetide.LLM(device=args.device, policy="finemoe", gpu_memory="2GiB", prefetch_distance=2)
+    convs = heldout_conversations()
+    warm = user_prompts(llm.tokenizer, convs[: args.warm])
+    test = user_prompts(llm.tokenizer, convs[args.warm : args.warm + 4 * args.prompts])[: args.prompts]
+    t0 = time.perf_counter()
+    trace = record_trace(llm.loaded.model, llm.loaded.adapter, warm, max_new_tokens=16, spec_distances=())
+    policy = llm.loaded.policy
+    inserted = policy.warm_up(trace)
+    warm_s = time.perf_counter() - t0
+
+    policy.search_time_s = 0.0
+    start = time.perf_counter()
+    with_policy = timed_decode(llm, test, args.new_tokens)
+    wall = time.perf_counter() - start
+    policy.drain()
+    stats = policy.stats()
+    busy = policy.search_time_s
+    llm.loaded.policy_hooks.remove()
+    without = timed_decode(llm, test, args.new_tokens)
+
+    step_with, step_without = statistics.median(with_policy), statistics.median(without)
+    result = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "command": " ".join(sys.argv),
+        "store_maps": stats["store_size"],
+        "warm_maps_inserted": inserted,
+        "warm_s": round(warm_s, 2),
+        "decode_step_ms_with_finemoe": 1e3 * step_with,
+        "decode_step_ms_without_policy": 1e3 * step_without,
+        "forward_overhead_share": (step_with - step_without) / step_without,
+        "searcher_busy_share_of_wall": busy / wall,
+        "mean_search_us": stats["mean_search_us"],
+        "searches": stats["semantic_searches"] + stats["trajectory_searches"],
+        "late_skipped": stats["late_skipped"],
+        "hit_rate": llm.metrics.hit_rate,
+    }
+    print(json.dumps(result, indent=2))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
