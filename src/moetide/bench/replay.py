@@ -48,7 +48,11 @@ def trace_geometry_overrides(model_type: str, trace: Trace) -> dict:
 
     adapter = get_adapter(model_type)
     m = trace.meta
-    return {"num_hidden_layers": m.num_layers, adapter.num_experts_attr: m.num_experts, adapter.top_k_attr: m.top_k}
+    return {
+        "num_hidden_layers": m.num_layers,
+        adapter.num_experts_attr: m.num_experts,
+        adapter.top_k_attr: m.top_k,
+    }
 
 
 class TraceReplay:
@@ -83,6 +87,7 @@ class TraceReplay:
         self.speculative_forced = 0
         self.speculative_unrecorded = 0
         self._step = None
+        self._ids = self._log_probs = self._spec = None  # the current step's tensors, on the device
         self._active_layer: int | None = None  # a router whose experts have not run yet this step
         self._calls: list[tuple[str, int, int]] = []  # ("real" | "spec", layer, distance), LIFO
         self._handles = [model.get_input_embeddings().register_forward_pre_hook(self._begin_step)]
@@ -101,10 +106,18 @@ class TraceReplay:
             self._step = None
             return
         if self.cursor >= len(self.trace):
-            raise TraceReplayError(f"the trace has {len(self.trace)} steps and all were replayed; run fewer requests")
-        self._step = self.trace.step(self.cursor)
+            raise TraceReplayError(
+                f"the trace has {len(self.trace)} steps and all were replayed; run fewer requests"
+            )
+        step = self.trace.step(self.cursor)
+        self._step = step
         self.cursor += 1
         self.steps += 1
+        # one copy per step of everything the routers of this step may be given (not one per layer)
+        device = args[0].device
+        self._ids = step.topk_ids.to(device)  # (T, L, k)
+        self._log_probs = step.gate_probs.clamp_min(1e-9).log().to(device)  # (L, J)
+        self._spec = step.spec_topk.to(device) if step.spec_topk is not None else None  # (T, D, L, k)
 
     def _enter_router(self, ordinal: int):
         def pre_hook(module, args) -> None:
@@ -132,19 +145,19 @@ class TraceReplay:
                 f" {tokens}; replay needs batch 1 and prompts of the trace's prefill lengths"
             )
         if kind == "spec":
-            forced = step.spec(layer, distance)
-            if forced is None:
+            if step.spec(layer, distance) is None:  # distance not recorded, or past the last layer
                 self.speculative_unrecorded += 1
                 return None
+            forced = self._spec[:, step.spec_distances.index(distance), layer]
             self.speculative_forced += 1
             gate_layer = layer + distance
         else:
-            forced = step.layer_topk(layer)
+            forced = self._ids[:, layer]
             self.forced_layers += 1
             gate_layer = layer
         forced = forced.to(device=ids.device, dtype=ids.dtype).reshape(ids.shape)
-        probs = step.gate_probs[gate_layer].clamp_min(1e-9)
-        new_logits = probs.log().to(device=logits.device, dtype=logits.dtype).expand(tokens, -1).reshape(logits.shape)
+        log_probs = self._log_probs[gate_layer].to(device=logits.device, dtype=logits.dtype)
+        new_logits = log_probs.expand(tokens, -1).reshape(logits.shape)
         live = torch.softmax(logits.detach().float().reshape(tokens, -1), dim=-1)
         picked = live.gather(1, forced.reshape(tokens, -1).long())
         new_weights = (picked / picked.sum(dim=-1, keepdim=True).clamp_min(1e-20)).to(weights.dtype)
@@ -167,13 +180,15 @@ class TraceReplay:
 def trace_requests(trace: Trace, vocab_size: int, *, seed: int = 0) -> tuple[list[BenchRequest], Trace]:
     """One batch-1 request per traced request, and the trace reordered so that its steps follow them.
 
-    A request's prompt has its prefill step's length (the recorded prompt ids when the trace has them
-    and they fit the vocabulary, random ids otherwise); its output length is its number of steps
+    A request's prompt has its prefill step's length (the recorded prompt ids, `meta.extra["prompt_ids"]
+    [request id]`, when the trace has them and they fit the vocabulary; random ids otherwise); its output length is its number of steps
     (the prefill yields the first token, each decode step one more).
     """
     order = trace.requests()
     if -1 in order:
-        raise TraceReplayError("the trace has batched steps (request id -1); replay needs a batch-1 recording")
+        raise TraceReplayError(
+            "the trace has batched steps (request id -1); replay needs a batch-1 recording"
+        )
     ordered = trace.select_requests(order)
     recorded = trace.meta.extra.get("prompt_ids") if isinstance(trace.meta.extra, dict) else None
     rng = random.Random(seed)
@@ -181,7 +196,7 @@ def trace_requests(trace: Trace, vocab_size: int, *, seed: int = 0) -> tuple[lis
     kinds = ordered.step_kinds.tolist()
     rids = ordered.request_ids.tolist()
     offsets = ordered.token_offsets.tolist()
-    for i, rid in enumerate(order):
+    for rid in order:
         first = s
         while s < len(rids) and rids[s] == rid:
             s += 1
@@ -189,9 +204,9 @@ def trace_requests(trace: Trace, vocab_size: int, *, seed: int = 0) -> tuple[lis
             raise TraceReplayError(f"request {rid} of the trace is not one prefill followed by decode steps")
         prompt_len = offsets[first + 1] - offsets[first]
         prompt = None
-        if recorded is not None and i < len(recorded) and len(recorded[i]) == prompt_len:
-            if all(0 <= t < vocab_size for t in recorded[i]):
-                prompt = [int(t) for t in recorded[i]]
+        ids = recorded[rid] if recorded is not None and 0 <= rid < len(recorded) else None  # by request id
+        if ids is not None and len(ids) == prompt_len and all(0 <= t < vocab_size for t in ids):
+            prompt = [int(t) for t in ids]
         if prompt is None:
             prompt = [rng.randrange(3, vocab_size) for _ in range(prompt_len)]
         requests.append(BenchRequest(tuple(prompt), s - first, 0.0))
@@ -228,16 +243,31 @@ def record_heldout_trace(
     tokenizer = load_tokenizer(model_path)
     adapter = get_adapter(model.config.model_type)
     convs = heldout_conversations(num_prompts + skip)[skip:]
-    prompts, replies, conv_ids = encode_requests(tokenizer, convs, prompt_tokens=max_input_len,
-                                                 reply_tokens=output_len)
+    prompts, replies, conv_ids = encode_requests(
+        tokenizer, convs, prompt_tokens=max_input_len, reply_tokens=output_len
+    )
     trace = record_trace(
-        model, adapter, prompts, output_len, spec_distances=spec_distances,
-        eos_token_id=tokenizer.eos_token_id, source=f"{model_path} held-out ShareGPT (teacher-forced)",
+        model,
+        adapter,
+        prompts,
+        output_len,
+        spec_distances=spec_distances,
+        eos_token_id=tokenizer.eos_token_id,
+        source=f"{model_path} held-out ShareGPT (teacher-forced)",
         continuations=replies,
     )
-    meta = dataclasses.replace(trace.meta, extra={**trace.meta.extra, "prompt_ids": prompts,
-                                                  "conversation_ids": conv_ids})
-    trace = Trace(meta, trace.request_ids, trace.step_kinds, trace.token_offsets, trace.embeddings,
-                  trace.gate_probs, trace.topk_ids, trace.spec_topk)
+    meta = dataclasses.replace(
+        trace.meta, extra={**trace.meta.extra, "prompt_ids": prompts, "conversation_ids": conv_ids}
+    )
+    trace = Trace(
+        meta,
+        trace.request_ids,
+        trace.step_kinds,
+        trace.token_offsets,
+        trace.embeddings,
+        trace.gate_probs,
+        trace.topk_ids,
+        trace.spec_topk,
+    )
     trace.save(out_path)
     return trace

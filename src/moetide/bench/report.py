@@ -20,16 +20,20 @@ def write_markdown(summary: dict, path: Path) -> None:
     """One row per run: throughput, TTFT/TPOT/E2E percentiles (ms), residency counters, peak memory."""
     lines = [f"# moetide bench: {summary.get('model_path')}", ""]
     m = summary.get("machine") or {}
-    lines.append(f"machine: {m.get('gpu') or 'CPU'}, torch {m.get('torch')}, transformers {m.get('transformers')}")
+    lines.append(
+        f"machine: {m.get('gpu') or 'CPU'}, torch {m.get('torch')}, transformers {m.get('transformers')}"
+    )
     if summary.get("command"):
         lines.append(f"command: `{summary['command']}`")
     for note in summary.get("notes", []):
         lines.append(f"note: {note}")
     lines += [
         "",
-        "| run | engine | policy | budget | batch | tok/s | TTFT mean / p50 / p90 / p99 (ms) "
-        "| TPOT mean / p50 / p90 / p99 (ms) | E2E p50 / p99 (s) | hit rate | stall (s) | H2D | promo / demo "
-        "| peak GPU |",
+        (
+            "| run | engine | policy | budget | batch | tok/s | TTFT mean / p50 / p90 / p99 (ms) "
+            "| TPOT mean / p50 / p90 / p99 (ms) | E2E p50 / p99 (s) | hit rate | stall (s) | H2D | promo / demo "
+            "| peak GPU |"
+        ),
         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary["runs"]:
@@ -37,8 +41,10 @@ def write_markdown(summary: dict, path: Path) -> None:
         if r.get("budget_bytes"):
             budget += f" ({format_bytes(r['budget_bytes'])})"
         if r.get("error"):
-            lines.append(f"| {r['name']} | {r['engine']} | {r['policy']} | {budget} | {r['batch_size']} "
-                         f"| error: {r['error']} |  |  |  |  |  |  |  |  |")
+            lines.append(
+                f"| {r['name']} | {r['engine']} | {r['policy']} | {budget} | {r['batch_size']} "
+                f"| error: {r['error']} |  |  |  |  |  |  |  |  |"
+            )
             continue
         ttft = " / ".join(_ms(r[f"ttft_{s}_s"]) for s in ("mean", "p50", "p90", "p99"))
         tpot = " / ".join(_ms(r[f"tpot_{s}_s"]) for s in ("mean", "p50", "p90", "p99"))

@@ -9,8 +9,8 @@ moetide runs go through `LLMEngine` (continuous batching, `max_num_seqs` = the b
 
 Per request: TTFT (arrival -> first token), TPOT (mean gap between later tokens), E2E (arrival ->
 last token, so E2E = TTFT + (n - 1) x TPOT). Tokens are generated greedily with EOS ignored, so every request produces exactly its
-output length. The engine warms up on one short request before measuring (CUDA kernels, Triton
-compilation); residency metrics and the CUDA peak-memory counter are reset after the warm-up.
+output length. The engine warms up on a batch of short requests before measuring (CUDA kernels,
+Triton compilation); residency metrics and the CUDA peak-memory counter are reset after the warm-up.
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ def _params(req: BenchRequest):
     return SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
 
 
-def drive_engine(engine, requests: list[BenchRequest], *, online: bool = False,
-                 closed_loop: bool = False) -> tuple[list[dict], float]:
+def drive_engine(
+    engine, requests: list[BenchRequest], *, online: bool = False, closed_loop: bool = False
+) -> tuple[list[dict], float]:
     """Send `requests` through `engine` until all finish. Returns (per-request records, duration_s).
 
     Offline: all submitted at once. Online: each added when the clock reaches its `arrival_s`.
@@ -109,22 +110,25 @@ def drive_engine(engine, requests: list[BenchRequest], *, online: bool = False,
                 engine.step()
             elif nxt < len(order):
                 time.sleep(max(0.0, requests[order[nxt]].arrival_s - (time.perf_counter() - start)))
+
     def last_token_s(s):  # E2E ends at the last token, as TTFT and TPOT are measured from token times
         return s.token_times_s[-1] if s.token_times_s else s.finish_s
 
     end = max((last_token_s(s) for s in seqs if last_token_s(s) is not None), default=time.perf_counter())
     records = []
     for r, s in zip(requests, seqs, strict=True):
-        records.append({
-            "arrival_s": s.arrival_s - start,
-            "prompt_len": len(s.prompt_ids),
-            "output_len": len(s.output_ids),
-            "requested_output_len": r.output_len,
-            "finish_reason": s.finish_reason,
-            "ttft_s": s.ttft_s,
-            "tpot_s": s.tpot_s,
-            "e2e_s": (last_token_s(s) - s.arrival_s) if last_token_s(s) is not None else None,
-        })
+        records.append(
+            {
+                "arrival_s": s.arrival_s - start,
+                "prompt_len": len(s.prompt_ids),
+                "output_len": len(s.output_ids),
+                "requested_output_len": r.output_len,
+                "finish_reason": s.finish_reason,
+                "ttft_s": s.ttft_s,
+                "tpot_s": s.tpot_s,
+                "e2e_s": (last_token_s(s) - s.arrival_s) if last_token_s(s) is not None else None,
+            }
+        )
     return records, end - start
 
 
@@ -165,8 +169,9 @@ def run_moetide(
         else:
             if replay is not None:
                 replay.enabled = False
-            first = requests[0]
-            drive_engine(engine, [BenchRequest(first.prompt_ids[:16], 2)])
+            # a full batch of short requests: the batch's shapes are compiled before measuring
+            batch = requests[: config.max_num_seqs]
+            drive_engine(engine, [BenchRequest(r.prompt_ids[:16], 2) for r in batch])
             if replay is not None:
                 replay.enabled = True
         _sync()
@@ -179,7 +184,9 @@ def run_moetide(
         _sync()
         residency = loaded.runtime.residency
         plan = getattr(residency, "plan", None)
-        snapshot = metrics.snapshot(residency.resident_counts() if hasattr(residency, "resident_counts") else None)
+        snapshot = metrics.snapshot(
+            residency.resident_counts() if hasattr(residency, "resident_counts") else None
+        )
         result = {
             "engine": "moetide",
             "policy": config.policy,
@@ -193,7 +200,9 @@ def run_moetide(
             "fixed_bytes": plan.fixed.total if plan is not None else None,
             "summary": summarize(records, duration),
             "metrics": snapshot,
-            "policy_stats": loaded.policy.stats() if loaded.policy is not None and hasattr(loaded.policy, "stats") else {},
+            "policy_stats": loaded.policy.stats()
+            if loaded.policy is not None and hasattr(loaded.policy, "stats")
+            else {},
             "peak_gpu_bytes": _peak_bytes(),
             "peak_gpu_bytes_with_load": peak_with_load,
             "requests": records,
@@ -252,7 +261,7 @@ def run_hf(
     dtype = resolve_dtype("auto", cfg, dev)
     kwargs: dict = {"dtype": dtype}
     if offload_budget_bytes is not None:
-        kwargs.update(device_map="auto", max_memory={dev.index or 0: offload_budget_bytes, "cpu": 1 << 40})
+        kwargs.update(device_map="auto", max_memory={dev.index or 0: offload_budget_bytes, "cpu": 200 << 30})
     elif dev.type == "cuda":
         kwargs["device_map"] = str(dev)
     free_device()
@@ -269,16 +278,23 @@ def run_hf(
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         for i, r in enumerate(chunk):
-            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, width - len(r.prompt_ids):] = 1
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
         n = max(r.output_len for r in chunk)
         with torch.inference_mode():
-            model.generate(input_ids=ids.to(in_dev), attention_mask=mask.to(in_dev), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=pad, eos_token_id=None,
-                           streamer=streamer)
+            model.generate(
+                input_ids=ids.to(in_dev),
+                attention_mask=mask.to(in_dev),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=None,
+                streamer=streamer,
+            )
 
     try:
-        generate([BenchRequest(requests[0].prompt_ids[:16], 2)])  # warm-up
+        generate([BenchRequest(r.prompt_ids[:16], 2) for r in requests[:batch_size]])  # warm-up
         _sync()
         peak_with_load = _peak_bytes()
         if torch.cuda.is_available():
@@ -293,16 +309,18 @@ def run_hf(
             t = streamer.times
             for r in chunk:  # offline: every request of the run arrived at `start`
                 n = min(r.output_len, len(t))
-                records.append({
-                    "arrival_s": 0.0,
-                    "prompt_len": len(r.prompt_ids),
-                    "output_len": n,
-                    "requested_output_len": r.output_len,
-                    "finish_reason": "length",
-                    "ttft_s": t[0] - start if t else None,
-                    "tpot_s": (t[n - 1] - t[0]) / (n - 1) if n > 1 else None,
-                    "e2e_s": t[n - 1] - start if n else None,
-                })
+                records.append(
+                    {
+                        "arrival_s": 0.0,
+                        "prompt_len": len(r.prompt_ids),
+                        "output_len": n,
+                        "requested_output_len": r.output_len,
+                        "finish_reason": "length",
+                        "ttft_s": t[0] - start if t else None,
+                        "tpot_s": (t[n - 1] - t[0]) / (n - 1) if n > 1 else None,
+                        "e2e_s": t[n - 1] - start if n else None,
+                    }
+                )
         duration = time.perf_counter() - start
         return {
             "engine": "hf-offload" if offload_budget_bytes is not None else "hf",
@@ -317,5 +335,5 @@ def run_hf(
             "requests": records,
         }
     finally:
-        del model
+        model = None  # the closure above holds the name; dropping the module frees the device
         free_device()

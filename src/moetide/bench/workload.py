@@ -37,8 +37,9 @@ def _chat_prompt(tokenizer, text: str, max_input_len: int) -> list[int]:
     def encode(t: str) -> list[int]:
         if not has_template:
             return list(tokenizer.encode(t, add_special_tokens=True))
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
-                                            add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True
+        )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     ids = encode(text)
@@ -83,7 +84,9 @@ def read_prompt_file(path: str | Path, count: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(count)]
 
 
-def text_prompts(tokenizer, count: int, max_input_len: int, prompt_file: str | None = None) -> list[list[int]]:
+def text_prompts(
+    tokenizer, count: int, max_input_len: int, prompt_file: str | None = None
+) -> list[list[int]]:
     """`count` prompts tokenized with `tokenizer` (chat template if it has one), at most `max_input_len` ids."""
     texts = read_prompt_file(prompt_file, count) if prompt_file else heldout_user_turns(count)
     return [_chat_prompt(tokenizer, t, max_input_len) for t in texts]
@@ -94,7 +97,9 @@ def demo_prompt_lengths(count: int, max_input_len: int, prompt_file: str | None 
     from ..engine.llm import demo_model_path
     from ..models.checkpoint import load_tokenizer
 
-    return [len(p) for p in text_prompts(load_tokenizer(demo_model_path()), count, max_input_len, prompt_file)]
+    return [
+        len(p) for p in text_prompts(load_tokenizer(demo_model_path()), count, max_input_len, prompt_file)
+    ]
 
 
 def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -149,12 +154,18 @@ def read_arrivals_csv(path: str | Path) -> list[tuple[float, int, int]]:
     return sorted(rows)
 
 
-def build_requests(prompts: list[list[int]], output_len: int, arrivals: list[float] | None = None) -> list[BenchRequest]:
+def build_requests(
+    prompts: list[list[int]], output_len: int, arrivals: list[float] | None = None
+) -> list[BenchRequest]:
     arrivals = arrivals or [0.0] * len(prompts)
     return [BenchRequest(tuple(p), output_len, a) for p, a in zip(prompts, arrivals, strict=True)]
 
 
-def requests_from_arrivals(prompts: list[list[int]], rows: list[tuple[float, int, int]]) -> list[BenchRequest]:
+def requests_from_arrivals(
+    prompts: list[list[int]], rows: list[tuple[float, int, int]]
+) -> list[BenchRequest]:
     """One request per CSV row: prompt i cut or repeated to the row's input length."""
-    return [BenchRequest(tuple(fit_length(prompts[i % len(prompts)], n_in)), n_out, a)
-            for i, (a, n_in, n_out) in enumerate(rows)]
+    return [
+        BenchRequest(tuple(fit_length(prompts[i % len(prompts)], n_in)), n_out, a)
+        for i, (a, n_in, n_out) in enumerate(rows)
+    ]

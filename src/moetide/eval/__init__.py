@@ -1,0 +1,1 @@
+"""Quality harness: held-out perplexity per workload against expert memory (`moetide eval`)."""

@@ -1,0 +1,100 @@
+"""`moetide eval` on the demo model with a tiny subset (CPU): table, JSON, plot, and the orderings
+that must hold whatever the subset (int2 is worse than bf16; the dynamic budget buys what it says)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from test_bad_input import run_cli
+
+from moetide.engine.llm import demo_model_path
+from moetide.errors import ConfigError
+from moetide.eval.quality import EvalSpec, dynamic_hi_experts, expert_geometry, run_eval, split_conversations
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    spec = EvalSpec(
+        device="cpu",
+        configs=["bf16", "int4", "int2", "dynamic"],
+        budgets=["mid"],
+        max_convs=2,
+        calib_convs=2,
+        max_len=128,
+        out=str(out),
+    )
+    return run_eval(spec, progress=False), out
+
+
+def test_eval_writes_table_json_and_plot(report):
+    rep, out = report
+    names = [r["name"] for r in rep["results"]]
+    assert names == ["bf16", "int4", "int2", "dynamic@mid"]
+    assert all("error" not in r for r in rep["results"]), [r.get("error") for r in rep["results"]]
+    saved = json.loads((out / "eval.json").read_text())
+    assert [r["name"] for r in saved["results"]] == names
+    table = (out / "eval.md").read_text()
+    for name in names:
+        assert f"| {name} |" in table
+    assert "Gap recovered" in table
+    assert (out / "quality_vs_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for r in rep["results"]:
+        assert set(r["ppl"]) == {"all", "code", "non-english", "chat"}
+        assert r["conversations"]["all"] == 6 and all(p > 1 for p in r["ppl"].values())
+        assert r["ppl"]["all"] == pytest.approx(math.exp(r["loss"]["all"]))
+
+
+def test_int2_is_worse_than_bf16_and_memory_is_ordered(report):
+    by = {r["name"]: r for r in report[0]["results"]}
+    assert by["int2"]["ppl"]["all"] > by["bf16"]["ppl"]["all"]
+    assert by["int2"]["expert_bytes"] < by["dynamic@mid"]["expert_bytes"] < by["int4"]["expert_bytes"]
+    assert by["int4"]["expert_bytes"] < by["bf16"]["expert_bytes"]
+    gap = report[0]["gap_recovered"]
+    assert gap is not None and set(gap) >= {"all"}
+
+
+def test_dynamic_budget_calibrates_its_hot_set(report):
+    dyn = next(r for r in report[0]["results"] if r["name"] == "dynamic@mid")
+    geo = expert_geometry(demo_model_path())
+    assert dyn["hi_experts"] == dynamic_hi_experts("mid", geo) == 16  # 8 layers x 2
+    assert dyn["calibration"]["n_hi_per_layer"] == 2
+    assert dyn["calibration"]["resident"]["hi"] == 16  # promotions applied before measuring
+    assert dyn["calibration"]["resident"]["lo"] == geo.total
+    assert "hi slots" in dyn["plan"] and dyn["lo_share"] is not None and 0 < dyn["lo_share"] < 1
+
+
+def test_calibration_and_measured_conversations_are_disjoint():
+    calib, measured = split_conversations(5, 3)
+    calib_ids = {c["id"] for c in calib}
+    for workload, convs in measured.items():
+        assert len(convs) == 3 and all(c["workload"] == workload for c in convs)
+        assert not calib_ids & {c["id"] for c in convs}
+
+
+def test_spec_rejects_bad_budgets():
+    with pytest.raises(ConfigError, match="fraction"):
+        EvalSpec(budgets=["1.5"])
+    with pytest.raises(ConfigError, match="unknown config"):
+        EvalSpec(configs=["fp8"])
+
+
+def test_eval_cli(tmp_path):
+    proc = run_cli(
+        "eval",
+        "--device",
+        "cpu",
+        "--configs",
+        "int2",
+        "--max-convs",
+        "1",
+        "--max-len",
+        "64",
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| int2 |" in proc.stdout and (tmp_path / "eval.json").is_file()
