@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
 # One GPU-machine call: install carried wheels, run the GPU tests, then the benchmarks named in $@.
-# Usage (device tool, carry .whl): bash scripts/gpu_run.sh tests lowbit offload
+# Usage (device tool, carry .whl): bash scripts/gpu_run.sh tests offload server searcher bs32 eval
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PYTHONPATH:/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/machine.txt"
+MT="python3 -m moetide.cli"
 for step in "$@"; do
+  echo "=== $step $(date +%T)"
   case "$step" in
-    tests)   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_parity.py tests/test_gpu.py tests/test_quant.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
-    lowbit)  timeout 60 python3 scripts/bench_lowbit.py "$OUT/bench_lowbit.json" --sweep 2>&1 | tail -30 ;;
-    offload) timeout 370 python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" 2>&1 | tee "$OUT/offload.log" | grep -v Warn ;;
+    tests)    timeout 75 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_parity.py tests/test_gpu.py tests/test_quant.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+    lowbit)   timeout 60 python3 scripts/bench_lowbit.py "$OUT/bench_lowbit.json" --sweep 2>&1 | tail -30 ;;
+    offload)  timeout 200 python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" \
+                --policies no-offload,static-int2,on-demand,combined 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
+    server)   timeout 80 python3 scripts/bench_server.py --concurrency 1 8 32 --requests-per-client 2 --output-len 64 \
+                --out "$OUT/server.json" -- --policy combined --gpu-memory 1GiB 2>&1 | grep -v "loading weights" | tail -12 ;;
+    searcher) timeout 60 python3 scripts/bench_searcher.py --out "$OUT/searcher.json" 2>&1 | tail -16 ;;
+    bs32)     timeout 150 $MT bench --synthetic olmoe-1b-7b --policy combined,lru,on-demand --gpu-memory 4GiB \
+                --batch-size 32 --output-len 32 --max-input-len 128 --out "$OUT/bs32" 2>&1 | grep -v "Warn\|Loading" | tail -12 ;;
+    eval)     timeout 60 $MT eval --max-convs 48 --out "$OUT/eval" 2>&1 | tail -16 ;;
     *) echo "unknown step $step" ;;
   esac
 done
+cd "$OUT" && for d in bs32 eval; do [ -d $d ] && tar czf $d.tgz $d && rm -rf $d; done; ls -la "$OUT"
