@@ -73,7 +73,7 @@ def test_peak_gpu_memory_stays_under_the_budget(tmp_path):
     path = write_synthetic_checkpoint("olmoe-1b-7b", tmp_path / "m", num_hidden_layers=4, num_experts=16,
                                       hidden_size=512, intermediate_size=1024, vocab_size=4096,
                                       num_attention_heads=8, num_key_value_heads=8, progress=False)
-    budget = 160 << 20  # fixed part ~90 MiB; 64 experts x 3 MiB do not all fit in the rest
+    budget = 192 << 20  # fixed part ~146 MiB (incl. top_k experts of scratch); 64 experts x 3 MiB do not all fit
     for policy in ("on-demand", "static-int2", "combined"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
