@@ -19,6 +19,8 @@ for step in "$@"; do
     lowbit)   timeout 60 python3 scripts/bench_lowbit.py "$OUT/bench_lowbit.json" --sweep 2>&1 | tail -30 ;;
     offload)  timeout 200 python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" \
                 --policies no-offload,static-int2,on-demand,combined 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
+    offload2) timeout 90 python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo.json" \
+                --policies no-offload,static-int2 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     server)   timeout 80 python3 scripts/bench_server.py --concurrency 1 8 32 --requests-per-client 2 --output-len 64 \
                 --out "$OUT/server.json" -- --policy combined --gpu-memory 1GiB 2>&1 | grep -v "loading weights" | tail -12 ;;
     searcher) timeout 80 python3 scripts/bench_searcher.py --warm 24 --prompts 4 --new-tokens 32 --out "$OUT/searcher.json" 2>&1 | tail -16 ;;
