@@ -260,3 +260,33 @@ def test_impossible_budget_is_a_clear_error(qwen3_checkpoint):
     out = tight.generate([[5, 6, 7]], moetide.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 8 and tight.metrics.evictions > 0
     tight.close()
+
+
+def test_prepare_writes_a_cache_that_later_loads_reuse_and_a_changed_checkpoint_invalidates(tiny_checkpoints, tmp_path):
+    import shutil
+
+    from moetide.store.prepare import cache_file, prepare
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["olmoe"][0], path)
+    cache = tmp_path / "cache"
+    written = prepare(str(path), ["int4", "int2"], cache_dir=str(cache), dtype="float32", progress=False)
+    assert [p.name.split("-")[0] for p in written] == ["int4", "int2"] and all(p.is_file() for p in written)
+    llm = moetide.LLM(path, device="cpu", policy="static-int2", gpu_memory="64MiB")
+    assert "int2" in llm.loaded.store.versions
+    llm.close()
+    # reuse: the prepared file is what a load with the same settings looks for
+    assert cache_file(path, "int2", torch.float32, cache) == written[1]
+    shard = next(path.glob("*.safetensors"))
+    shard.touch()  # a changed checkpoint (new mtime) gets a new cache key
+    assert cache_file(path, "int2", torch.float32, cache) != written[1]
+
+
+def test_host_versions_can_be_dropped_only_where_the_device_holds_them(qwen3_checkpoint):
+    llm = moetide.LLM(qwen3_checkpoint, device="cpu", policy="static-int4", gpu_memory="64MiB", host_versions=())
+    assert llm.loaded.store.versions == {}  # every expert lives in the device's lo pool
+    out = llm.generate([[5, 6, 7]], moetide.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6
+    llm.close()
+    with pytest.raises(BudgetError, match="cannot drop the host hi versions"):
+        moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory="64MiB", host_versions=("lo",))

@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
                    help="lo precision (auto: int4 when every expert fits in int4 beside the hi cache, else int2)")
     p.add_argument("--on-miss", default="lo", choices=["stall", "lo"], help="on a miss: run a resident lo version, or stall for hi")
     p.add_argument("--prefetch-distance", type=int, default=2, help="FineMoE prefetch distance d (layers)")
+    p.add_argument("--host-versions", default=None,
+                   help="expert versions to keep in host memory, e.g. 'lo' or 'hi,lo' (default: all); a version"
+                        " can be dropped only where the device holds it for every expert")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -46,6 +49,7 @@ def engine_config_from_args(args) -> EngineConfig:
         prefetch_distance=args.prefetch_distance,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        host_versions=None if args.host_versions is None else tuple(v for v in args.host_versions.split(",") if v),
     )
 
 

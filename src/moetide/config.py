@@ -81,6 +81,8 @@ class EngineConfig:
         max_model_len: context length cap (prompt + output), in tokens; None = model's limit.
         kv_cache_tokens: tokens of KV cache reserved inside the budget; None = derived.
         seed: seed for sampling when a request gives none.
+        host_versions: expert versions kept in host memory after start-up ("hi", "lo"); None = all.
+            A version can be dropped only where the device holds it for every expert for good.
     """
 
     model: str
@@ -95,6 +97,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     seed: int = 0
+    host_versions: tuple[str, ...] | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -114,6 +117,10 @@ class EngineConfig:
             raise ConfigError("--gpu-memory must be a positive size such as 6GiB")
         if not str(self.model):
             raise ConfigError("a model path is required")
+        if self.host_versions is not None:
+            bad = [v for v in self.host_versions if v not in ("hi", "lo")]
+            if bad:
+                raise ConfigError(f"--host-versions takes hi and/or lo, got {bad[0]!r}")
 
     @property
     def model_path(self) -> Path:

@@ -81,11 +81,19 @@ class ExpertRuntime:
         out = torch.zeros_like(hidden)
         if hi:
             self._grouped_into(out, hidden, ids_cpu, top_k_weights, hi, *pool_groups)
+        lo_rows = self.residency.lo_pool_rows() if lo else None
         for start in range(0, len(lo), self.top_k):
             chunk = lo[start : start + self.top_k]
-            weights = [self._dense_weights(resolved[e], hidden.dtype) for e in chunk]
-            gate_up_all = torch.stack([w[0] for w in weights])
-            down_all = torch.stack([w[1] for w in weights])
+            if lo_rows is not None and all(resolved[e].pool == "lo" for e in chunk):
+                from .lowbit import dequantize_rows
+
+                arena, meta = lo_rows  # the chunk's lo slots, dequantized in one batched pass
+                slots = torch.tensor([resolved[e].slot for e in chunk], dtype=torch.long)
+                gate_up_all, down_all = dequantize_rows(arena.index_select(0, slots.to(arena.device)), meta, hidden.dtype)
+            else:
+                weights = [self._dense_weights(resolved[e], hidden.dtype) for e in chunk]
+                gate_up_all = torch.stack([w[0] for w in weights])
+                down_all = torch.stack([w[1] for w in weights])
             self._grouped_into(out, hidden, ids_cpu, top_k_weights, {e: i for i, e in enumerate(chunk)},
                                gate_up_all, down_all)
         return out

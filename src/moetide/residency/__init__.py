@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
+from ..errors import BudgetError
 from ..store.host_store import HostExpertStore
 from .budget import BudgetTracker, FixedCosts, MemoryPlan, plan_memory
 from .core import ResidencyManager, ResidencyOptions
@@ -136,7 +137,29 @@ def build_residency(config: EngineConfig, store: HostExpertStore, metrics: Exper
         n = plan.hi_slots if preload == "hi" else plan.lo_slots
         with tqdm(total=n, desc=f"placing {preload} experts", unit="expert", disable=not progress, leave=False) as bar:
             manager.preload(preload, progress=bar)
+    if config.host_versions is not None:
+        drop_host_versions(store, config.host_versions, mode, plan, lo)
     return manager
+
+
+def drop_host_versions(store: HostExpertStore, keep: tuple[str, ...], mode: str, plan: MemoryPlan, lo: str) -> None:
+    """Free the host copies the user does not want kept, where the device holds them for good."""
+    every = store.num_layers * store.num_experts
+    device_holds = {
+        "hi": mode == "all-hi" and plan.hi_slots >= every,
+        "lo": mode in ("all-lo", "lo+hi") and plan.lo_slots >= every,
+    }
+    needed_for_misses = {"hi": mode in ("hi-cache", "lo+hi"), "lo": False}
+    for kind in ("hi", "lo"):
+        precision = "hi" if kind == "hi" else lo
+        if kind in keep or precision not in store.versions:
+            continue
+        if mode == "all-lo" and kind == "hi" or device_holds[kind] and not needed_for_misses[kind]:
+            store.drop_precision(precision)
+            continue
+        raise BudgetError(
+            f"cannot drop the host {kind} versions: this policy loads {kind} experts from host memory on demand"
+        )
 
 
 __all__ = ["build_residency", "ResidencyManager", "ResidencyOptions", "BudgetTracker", "MemoryPlan",

@@ -399,6 +399,12 @@ class ResidencyManager:
         gate_up, down = self.hi_pool_groups()
         return 0, gate_up[layer * E : (layer + 1) * E], down[layer * E : (layer + 1) * E]
 
+    def lo_pool_rows(self):
+        """`(lo pool arena (S, nbytes), meta)` for batched dequantization of lo slots, or None."""
+        if self.pools["lo"].num_slots == 0:
+            return None
+        return self.pools["lo"].arena, self.store.meta[self.options.lo_precision]
+
     def static_lo_rows(self, layer: int):
         """`(first slot of the layer, lo arena (S, nbytes), meta)` when every expert is lo-resident at
         slot layer*E + e for good (static-int4/int2)."""

@@ -89,6 +89,9 @@ class DirectResidency:
     def static_lo_rows(self, layer: int):
         return None
 
+    def lo_pool_rows(self):
+        return None
+
     def resident_counts(self) -> dict[str, int]:
         return {}
 

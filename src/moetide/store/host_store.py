@@ -161,6 +161,6 @@ class HostExpertStore:
         target.copy_(arena)
 
     def drop_precision(self, precision: str) -> None:
-        """Free a version the user does not want kept in host memory."""
+        """Free a version the user does not want kept in host memory (its layout `meta` stays: the
+        device copies are still described by it)."""
         self.versions.pop(precision, None)
-        self.meta.pop(precision, None)
