@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-offload-tokens", type=int, default=5)
     ap.add_argument("--policies", default="no-offload,static-int4,static-int2,on-demand,lru,finemoe,combined:lo",
-                    help="comma-separated; POLICY:lo runs it with --on-miss lo")
+                    help="comma-separated; POLICY:lo / POLICY:stall sets --on-miss for that run")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -75,8 +75,9 @@ def main() -> int:
         policy, _, on_miss = spec.partition(":")
         budget = None if policy == "no-offload" else args.budget
         try:
-            r = bench_moetide(ckpt, policy, budget, new_tokens=args.new_tokens, on_miss=on_miss or "stall")
-            r["on_miss"] = on_miss or "stall"
+            kwargs = {"on_miss": on_miss} if on_miss else {}  # else the engine's default (lo)
+            r = bench_moetide(ckpt, policy, budget, new_tokens=args.new_tokens, **kwargs)
+            r["on_miss"] = on_miss or "default (lo)"
             record(r)
         except Exception as e:
             print(f"moetide {policy}: {type(e).__name__}: {e}", flush=True)
