@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
                    help="lo precision (auto: int4 when every expert fits in int4 beside the hi cache, else int2)")
     p.add_argument("--on-miss", default="lo", choices=["stall", "lo"], help="on a miss: run a resident lo version, or stall for hi")
     p.add_argument("--prefetch-distance", type=int, default=2, help="FineMoE prefetch distance d (layers)")
+    p.add_argument("--hi", dest="hi_precision", default="bf16", choices=["bf16", "int4"],
+                   help="hot experts' precision for dynaexq/combined (int4: three tiers, lo = int2)")
     p.add_argument("--host-versions", default=None,
                    help="expert versions to keep in host memory, e.g. 'lo' or 'hi,lo' (default: all); a version"
                         " can be dropped only where the device holds it for every expert")
@@ -49,6 +51,7 @@ def engine_config_from_args(args) -> EngineConfig:
         prefetch_distance=args.prefetch_distance,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        hi_precision="hi" if args.hi_precision == "bf16" else args.hi_precision,
         host_versions=None if args.host_versions is None else tuple(v for v in args.host_versions.split(",") if v),
     )
 

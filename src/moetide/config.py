@@ -81,6 +81,8 @@ class EngineConfig:
         max_model_len: context length cap (prompt + output), in tokens; None = model's limit.
         kv_cache_tokens: tokens of KV cache reserved inside the budget; None = derived.
         seed: seed for sampling when a request gives none.
+        hi_precision: what "hi" means for dynaexq/combined: "hi" (the checkpoint's precision) or
+            "int4" (a three-tier setup: hot experts int4, the rest in `lo_precision`, int2).
         host_versions: expert versions kept in host memory after start-up ("hi", "lo"); None = all.
             A version can be dropped only where the device holds it for every expert for good.
     """
@@ -97,6 +99,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     seed: int = 0
+    hi_precision: str = "hi"
     host_versions: tuple[str, ...] | None = None
     extra: dict = field(default_factory=dict)
 
@@ -117,6 +120,10 @@ class EngineConfig:
             raise ConfigError("--gpu-memory must be a positive size such as 6GiB")
         if not str(self.model):
             raise ConfigError("a model path is required")
+        if self.hi_precision not in ("hi", "int4"):
+            raise ConfigError(f"hi precision must be 'hi' (the checkpoint's) or int4, got {self.hi_precision!r}")
+        if self.hi_precision == "int4" and self.lo_precision == "int4":
+            raise ConfigError("with int4 hot experts the lo precision must be int2")
         if self.host_versions is not None:
             bad = [v for v in self.host_versions if v not in ("hi", "lo")]
             if bad:

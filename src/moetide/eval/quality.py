@@ -44,7 +44,8 @@ from pathlib import Path
 from ..config import format_bytes
 from ..errors import ConfigError
 
-CONFIGS = ("bf16", "int4", "int2", "dynamic")
+CONFIGS = ("bf16", "int4", "int2", "dynamic", "dynamic-int4")
+DYNAMIC = {"dynamic": "bf16", "dynamic-int4": "int4"}  # dynamic config -> precision of its hot experts
 STATIC_POLICY = {"bf16": "no-offload", "int4": "static-int4", "int2": "static-int2"}
 WORKLOADS = ("code", "non-english", "chat")
 
@@ -78,7 +79,7 @@ class EvalSpec:
                     raise ConfigError(
                         f"budget {b!r}: a fraction of the way from int2 to bf16 must be in (0, 1)"
                     )
-        if self.calib_convs < 1 and "dynamic" in self.configs:
+        if self.calib_convs < 1 and any(c in DYNAMIC for c in self.configs):
             raise ConfigError("--calib-convs must be >= 1 for the dynamic configurations")
         if self.max_convs is not None and self.max_convs < 1:
             raise ConfigError("--max-convs must be >= 1")
@@ -118,18 +119,18 @@ def expert_geometry(model_path: Path) -> ExpertGeometry:
     )
 
 
-def dynamic_hi_experts(budget: str, geo: ExpertGeometry) -> int:
-    """hi experts (all layers) that a dynamic budget buys, a multiple of the layer count, >= top-k per layer
-    only if the budget allows one per layer."""
-    lo2, lo4, hi = (geo.static_bytes(p) for p in ("int2", "int4", "bf16"))
+def dynamic_hi_experts(budget: str, geo: ExpertGeometry, hi: str = "bf16") -> int:
+    """hi experts (all layers) that a dynamic budget buys (each costs a `hi` copy beside its resident
+    int2 one), a multiple of the layer count."""
+    lo2, lo4, all_bf16 = (geo.static_bytes(p) for p in ("int2", "int4", "bf16"))
     if budget == "mid":
         memory = (lo2 + lo4) / 2
     elif budget == "int4":
         memory = lo4
     else:
-        memory = lo2 + float(budget) * (hi - lo2)
-    n = int((memory - lo2) // geo.ref_bytes["bf16"])
-    return (n // geo.layers) * geo.layers
+        memory = lo2 + float(budget) * (all_bf16 - lo2)
+    n = int((memory - lo2) // geo.ref_bytes[hi])
+    return min(geo.total, (n // geo.layers) * geo.layers)
 
 
 def split_conversations(calib: int, per_workload: int | None) -> tuple[list[dict], dict[str, list[dict]]]:
@@ -144,7 +145,7 @@ def split_conversations(calib: int, per_workload: int | None) -> tuple[list[dict
     return calibration, measured
 
 
-def _device_budget(spec: EvalSpec, model_path: Path, geo: ExpertGeometry, n_hi: int) -> int:
+def _device_budget(spec: EvalSpec, model_path: Path, geo: ExpertGeometry, n_hi: int, hi: str = "bf16") -> int:
     """Device bytes for a dynamic config: fixed part + every int2 slot + `n_hi` hi slots, device layout."""
     from ..bench.budget import model_bytes
     from ..models.checkpoint import load_config
@@ -155,10 +156,11 @@ def _device_budget(spec: EvalSpec, model_path: Path, geo: ExpertGeometry, n_hi: 
     mb = model_bytes(config)
     dtype = resolve_dtype(config.dtype, load_config(model_path), resolve_device(config.device))
     lo_bytes = quant.nbytes_for("int2", geo.intermediate, geo.hidden, dtype)
-    return mb.fixed.total + geo.total * lo_bytes + n_hi * mb.hi_expert_bytes
+    hi_bytes = mb.hi_expert_bytes if hi == "bf16" else quant.nbytes_for(hi, geo.intermediate, geo.hidden, dtype)
+    return mb.fixed.total + geo.total * lo_bytes + n_hi * hi_bytes
 
 
-def _engine_config(spec: EvalSpec, model_path: Path, policy: str, budget_bytes: int | None):
+def _engine_config(spec: EvalSpec, model_path: Path, policy: str, budget_bytes: int | None, hi: str = "bf16"):
     from ..config import EngineConfig
 
     return EngineConfig(
@@ -167,6 +169,7 @@ def _engine_config(spec: EvalSpec, model_path: Path, policy: str, budget_bytes: 
         dtype=spec.dtype,
         policy=policy,
         lo_precision="int2",
+        hi_precision="hi" if hi == "bf16" else hi,
         gpu_memory_bytes=budget_bytes,
         max_num_seqs=spec.batch_size,
         max_model_len=spec.max_len,
@@ -222,20 +225,22 @@ def evaluate_config(
     from ..data.sharegpt import heldout_loss
     from ..engine.llm import build_engine
 
-    record: dict = {"name": name if budget is None else f"dynamic@{budget}", "config": name, "budget": budget}
-    if name == "dynamic":
-        n_hi = dynamic_hi_experts(budget, geo)
+    record: dict = {"name": name if budget is None else f"{name}@{budget}", "config": name, "budget": budget}
+    hi = DYNAMIC.get(name, "bf16")
+    if name in DYNAMIC:
+        n_hi = dynamic_hi_experts(budget, geo, hi)
         if n_hi < geo.layers:
             raise ConfigError(f"budget {budget!r} buys {n_hi} hi experts, fewer than one per layer; raise it")
-        budget_bytes = _device_budget(spec, model_path, geo, n_hi)
+        budget_bytes = _device_budget(spec, model_path, geo, n_hi, hi)
         policy = "dynaexq"
-        record.update(hi_experts=n_hi, expert_bytes=geo.static_bytes("int2") + n_hi * geo.ref_bytes["bf16"])
+        record.update(hi_experts=n_hi, hi_precision=hi,
+                      expert_bytes=geo.static_bytes("int2") + n_hi * geo.ref_bytes[hi])
     else:
         budget_bytes, policy = None, STATIC_POLICY[name]
         precision = {"bf16": "bf16", "int4": "int4", "int2": "int2"}[name]
         record.update(hi_experts=geo.total if name == "bf16" else 0, expert_bytes=geo.static_bytes(precision))
     record.update(policy=policy, budget_bytes=budget_bytes)
-    config = _engine_config(spec, model_path, policy, budget_bytes)
+    config = _engine_config(spec, model_path, policy, budget_bytes, hi)
     free_device()
     t0 = time.perf_counter()
     loaded, _, tokenizer = build_engine(config, progress=False)
@@ -244,7 +249,7 @@ def evaluate_config(
         plan = getattr(residency, "plan", None)
         record["plan"] = plan.describe() if plan is not None else None
         record["device"] = str(loaded.device)
-        if name == "dynamic":
+        if name in DYNAMIC:
             scheduler = loaded.policy
             scheduler.clock = None  # updates only when asked, during calibration
             calib_loss = heldout_loss(
@@ -267,7 +272,7 @@ def evaluate_config(
                 scheduler.clock = time.monotonic
         loaded.runtime.metrics.reset()
         record.update(_score(loaded, tokenizer, spec, measured))
-        if name == "dynamic":
+        if name in DYNAMIC:
             record["scheduler"] = loaded.policy.stats()
             record["resident_after"] = residency.resident_counts()
             m = loaded.runtime.metrics.snapshot()
@@ -280,10 +285,10 @@ def evaluate_config(
         free_device()
 
 
-def gap_recovered(results: list[dict], budget: str = "mid") -> dict | None:
+def gap_recovered(results: list[dict], budget: str = "mid", config: str = "dynamic") -> dict | None:
     """(ppl_int2 - ppl_dyn) / (ppl_int2 - ppl_int4) per workload at `budget`; None if a part is missing."""
     by = {r["name"]: r for r in results if "ppl" in r}
-    dyn, lo2, lo4 = by.get(f"dynamic@{budget}"), by.get("int2"), by.get("int4")
+    dyn, lo2, lo4 = by.get(f"{config}@{budget}"), by.get("int2"), by.get("int4")
     if not (dyn and lo2 and lo4):
         return None
     out = {}
@@ -324,16 +329,16 @@ def write_table(report: dict, path: Path) -> str:
             f"| {r['name']} | {format_bytes(r['expert_bytes'])} | {r['hi_experts']} | {ppl}"
             f" | {r['loss']['all']:.4f} |"
         )
-    gap = report.get("gap_recovered")
     lines.append("")
-    if gap:
-        parts = ", ".join(f"{w} {v:.1%}" if v is not None else f"{w} n/a" for w, v in gap.items())
-        lines.append(
-            f"Gap recovered at the memory halfway between static int2 and int4"
-            f" ((ppl_int2 - ppl_dyn) / (ppl_int2 - ppl_int4)): {parts}. Target: >= 50%."
-        )
-    else:
-        lines.append("Gap recovered: not computed (needs int2, int4 and dynamic at `mid`).")
+    for config, gap in (("dynamic", report.get("gap_recovered")), ("dynamic-int4", report.get("gap_recovered_int4"))):
+        if gap:
+            parts = ", ".join(f"{w} {v:.1%}" if v is not None else f"{w} n/a" for w, v in gap.items())
+            lines.append(
+                f"Gap recovered by {config} at the memory halfway between static int2 and int4"
+                f" ((ppl_int2 - ppl_dyn) / (ppl_int2 - ppl_int4)): {parts}. Target: >= 50%."
+            )
+        else:
+            lines.append(f"Gap recovered by {config}: not computed (needs int2, int4 and {config} at `mid`).")
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
@@ -348,15 +353,14 @@ def write_plot(report: dict, path: Path) -> None:
     ok = [r for r in report["results"] if "ppl" in r]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
     for ax, w in zip(axes.flat, ("all", *WORKLOADS), strict=True):
-        dyn = sorted(
-            (r["expert_bytes"], r["ppl"][w]) for r in ok if r["config"] == "dynamic" and w in r["ppl"]
-        )
-        if dyn:
-            ax.plot(
-                [m / 2**20 for m, _ in dyn], [p for _, p in dyn], marker="o", label="dynamic (bf16 + int2)"
-            )
+        dyn = []
+        for config, label in (("dynamic", "dynamic (bf16 + int2)"), ("dynamic-int4", "dynamic (int4 + int2)")):
+            points = sorted((r["expert_bytes"], r["ppl"][w]) for r in ok if r["config"] == config and w in r["ppl"])
+            if points:
+                dyn += points
+                ax.plot([m / 2**20 for m, _ in points], [p for _, p in points], marker="o", label=label)
         for r in ok:
-            if r["config"] != "dynamic" and w in r["ppl"]:
+            if r["config"] not in DYNAMIC and w in r["ppl"]:
                 ax.scatter([r["expert_bytes"] / 2**20], [r["ppl"][w]], marker="s", s=50, zorder=3)
                 ax.annotate(
                     f"static {r['name']}",
@@ -389,8 +393,9 @@ def run_eval(spec: EvalSpec, *, progress: bool = True) -> dict:
     geo = expert_geometry(model_path)
     calibration, measured = split_conversations(spec.calib_convs, spec.max_convs)
     jobs = [(c, None) for c in ("bf16", "int4", "int2") if c in spec.configs]
-    if "dynamic" in spec.configs:
-        jobs += [("dynamic", b) for b in spec.budgets]
+    for config in DYNAMIC:
+        if config in spec.configs:
+            jobs += [(config, b) for b in spec.budgets if not (config == "dynamic-int4" and b != "mid")]
     report = {
         "command": spec.command,
         "spec": dataclasses.asdict(spec),
@@ -403,7 +408,7 @@ def run_eval(spec: EvalSpec, *, progress: bool = True) -> dict:
     }
     bar = tqdm(jobs, desc="eval", unit="config", disable=not progress, file=sys.stderr)
     for name, budget in bar:
-        bar.set_postfix_str(name if budget is None else f"dynamic@{budget}")
+        bar.set_postfix_str(name if budget is None else f"{name}@{budget}")
         try:
             r = evaluate_config(spec, model_path, name, geo, calibration, measured, budget=budget)
             bar.write(
@@ -418,7 +423,7 @@ def run_eval(spec: EvalSpec, *, progress: bool = True) -> dict:
             from ..bench.runs import one_line_error
 
             r = {
-                "name": name if budget is None else f"dynamic@{budget}",
+                "name": name if budget is None else f"{name}@{budget}",
                 "config": name,
                 "budget": budget,
                 "error": one_line_error(e),
@@ -426,6 +431,7 @@ def run_eval(spec: EvalSpec, *, progress: bool = True) -> dict:
             bar.write(f"{r['name']}: error: {r['error']}", file=sys.stderr)
         report["results"].append(r)
         report["gap_recovered"] = gap_recovered(report["results"])
+        report["gap_recovered_int4"] = gap_recovered(report["results"], config="dynamic-int4")
         (out / "eval.json").write_text(json.dumps(report, indent=2, default=str))
         write_table(report, out / "eval.md")
         write_plot(report, out / "quality_vs_memory.png")

@@ -106,10 +106,15 @@ def build_residency(config: EngineConfig, store: HostExpertStore, metrics: Exper
             mode, needs_lo = "all-hi", False  # no cap given and the whole model fits: nothing to offload
     lo = lo_precision_for(config, store, budget_bytes - fixed_costs(config, model_config, model, store.shape.dtype,
                                                                     hi_bytes, budget_bytes).total)
-    if needs_lo and lo not in store.versions:
-        from ..store.prepare import ensure_precision
+    hi_precision = config.hi_precision if mode == "lo+hi" else "hi"
+    if hi_precision != "hi":
+        lo = "int2"
+    from ..store.prepare import ensure_precision
 
+    if needs_lo and lo not in store.versions:
         ensure_precision(store, config.model_path, lo, progress=progress)
+    if hi_precision not in store.versions:
+        ensure_precision(store, config.model_path, hi_precision, progress=progress)
     lo_bytes = store.bytes_per_expert(lo) if lo in store.versions else 0
     fixed = fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes)
     top_k = getattr(model_config, "num_experts_per_tok", 1)
@@ -117,7 +122,7 @@ def build_residency(config: EngineConfig, store: HostExpertStore, metrics: Exper
         budget_bytes,
         fixed,
         num_experts_total=store.num_layers * store.num_experts,
-        hi_slot_bytes=hi_bytes,
+        hi_slot_bytes=store.bytes_per_expert(hi_precision),
         lo_slot_bytes=lo_bytes or hi_bytes,
         min_hi_slots=top_k,
         mode=mode,
@@ -130,7 +135,7 @@ def build_residency(config: EngineConfig, store: HostExpertStore, metrics: Exper
         else CpuTransfer(config.extra.get("cpu_bandwidth_bytes_per_s"), poison=config.extra.get("poison", False))
     )
     on_miss = "lo" if config.policy == "dynaexq" else config.on_miss
-    options = ResidencyOptions(mode=mode, lo_precision=lo, on_miss=on_miss)
+    options = ResidencyOptions(mode=mode, lo_precision=lo, on_miss=on_miss, hi_precision=hi_precision)
     manager = ResidencyManager(store, metrics, plan, tracker, transfer, device, options)
     preload = {"all-hi": "hi", "all-lo": "lo", "lo+hi": "lo"}.get(mode)
     if preload:

@@ -49,6 +49,7 @@ class ResidencyOptions:
     on_miss: str = "stall"
     max_background_copies: int = 8
     protect_iterations: int = 1
+    hi_precision: str = "hi"  # the version the hi pool holds: "hi" (checkpoint precision) or "int4"
 
 
 class ResidencyManager:
@@ -213,7 +214,7 @@ class ResidencyManager:
 
     # -- copies -----------------------------------------------------------------------------------------
     def _precision_of(self, pool: str) -> str:
-        return "hi" if pool == "hi" else self.options.lo_precision
+        return self.options.hi_precision if pool == "hi" else self.options.lo_precision
 
     def _start_copy(self, handle: ExpertHandle, pool: str, slot: int, priority: int) -> DeviceVersion:
         precision = self._precision_of(pool)
@@ -384,7 +385,7 @@ class ResidencyManager:
 
     def hi_pool_groups(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The hi pool as grouped weights `gate_up (S, 2I, H)`, `down (S, H, I)`, one group per slot."""
-        if self.pools["hi"].num_slots == 0:
+        if self.pools["hi"].num_slots == 0 or self.options.hi_precision != "hi":
             return None
         if self._hi_groups is None:
             self._hi_groups = hi_group_views(self.pools["hi"].arena, self.store.shape)
