@@ -31,8 +31,11 @@ def main() -> int:
     ap.add_argument("--budget", default="4GiB")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hf-offload-tokens", type=int, default=5)
-    ap.add_argument("--policies", default="no-offload,static-int4,static-int2,on-demand,lru,finemoe,combined:lo",
-                    help="comma-separated; POLICY:lo / POLICY:stall sets --on-miss for that run")
+    ap.add_argument(
+        "--policies",
+        default="no-offload,static-int4,static-int2,on-demand,lru,finemoe,combined:lo",
+        help="comma-separated; POLICY:lo / POLICY:stall sets --on-miss for that run",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -61,9 +64,12 @@ def main() -> int:
         results["runs"].append(r)
         out.write_text(json.dumps(results, indent=2))
         tok_s = r.get("decode_tok_s")
-        print(f"{r['engine']:10s} {r.get('policy', r.get('experts_implementation', '')):14s} "
-              f"{str(r.get('gpu_memory')):6s} decode {tok_s or 0:8.2f} tok/s  peak {r['peak_gpu_bytes'] / 2**30:6.2f} GiB"
-              f"  load {r['load_s']:6.1f}s", flush=True)
+        print(
+            f"{r['engine']:10s} {r.get('policy', r.get('experts_implementation', '')):14s} "
+            f"{r.get('gpu_memory')!s:6s} decode {tok_s or 0:8.2f} tok/s  peak {r['peak_gpu_bytes'] / 2**30:6.2f} GiB"
+            f"  load {r['load_s']:6.1f}s",
+            flush=True,
+        )
 
     if not args.skip_hf:
         for impl in (None, "batched_mm"):
@@ -81,7 +87,9 @@ def main() -> int:
             record(r)
         except Exception as e:
             print(f"moetide {policy}: {type(e).__name__}: {e}", flush=True)
-            results["runs"].append({"engine": "moetide", "policy": policy, "gpu_memory": budget, "error": str(e)})
+            results["runs"].append(
+                {"engine": "moetide", "policy": policy, "gpu_memory": budget, "error": str(e)}
+            )
     if not args.skip_hf:
         try:
             record(bench_hf(ckpt, offload_budget=args.budget, new_tokens=args.hf_offload_tokens))

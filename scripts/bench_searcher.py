@@ -30,8 +30,9 @@ def user_prompts(tokenizer, convs, max_len=256):
     for c in convs:
         user = next((t for role, t in c["turns"] if role == "user"), None)
         if user:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                                tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True
+            )
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             out.append(ids[-max_len:])
     return out

@@ -121,7 +121,9 @@ def scrape(url: str) -> dict[str, float]:
 
 
 # -- one request, one level ------------------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, concurrency: int) -> RequestRecord:
+async def one_request(
+    client: httpx.AsyncClient, model: str, prompt: str, args, concurrency: int
+) -> RequestRecord:
     """One streamed request over plain HTTP + SSE (httpx only, so the GPU machine needs no openai
     client); chunk arrival times give TTFT and TPOT, the final usage chunk the token counts."""
     body = {
@@ -143,8 +145,9 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:200]
-                raise httpx.HTTPStatusError(f"HTTP {response.status_code}: {detail}", request=response.request,
-                                            response=response)
+                raise httpx.HTTPStatusError(
+                    f"HTTP {response.status_code}: {detail}", request=response.request, response=response
+                )
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -153,12 +156,18 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 for choice in chunk.get("choices", []):
-                    text = (choice.get("delta") or {}).get("content") if args.endpoint == "chat" else choice.get("text")
+                    text = (
+                        (choice.get("delta") or {}).get("content")
+                        if args.endpoint == "chat"
+                        else choice.get("text")
+                    )
                     if text:
                         first = first if first is not None else now
                         last = now
     except httpx.HTTPError as e:
-        return RequestRecord(concurrency, len(prompt), None, 0, None, None, time.perf_counter() - sent, str(e))
+        return RequestRecord(
+            concurrency, len(prompt), None, 0, None, None, time.perf_counter() - sent, str(e)
+        )
     n = usage["completion_tokens"] if usage else 0
     ttft = first - sent if first is not None else None
     tpot = (last - first) / (n - 1) if first is not None and n > 1 else None
@@ -167,8 +176,9 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args, 
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, args, offset: int):
-    client = httpx.AsyncClient(base_url=url, timeout=args.request_timeout,
-                               limits=httpx.Limits(max_connections=concurrency + 4))
+    client = httpx.AsyncClient(
+        base_url=url, timeout=args.request_timeout, limits=httpx.Limits(max_connections=concurrency + 4)
+    )
     records: list[RequestRecord] = []
 
     async def worker(w: int):

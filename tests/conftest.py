@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import FAMILIES, save_tiny_model  # noqa: E402
+from tiny_models import FAMILIES, save_tiny_model
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -15,7 +15,9 @@ from moetide.models.checkpoint import inspect_checkpoint
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moetide.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "moetide.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -45,8 +47,16 @@ def test_directory_without_config(tmp_path):
 def test_dense_model_is_refused_with_supported_families(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(tmp_path)
     proc = run_cli("info", str(tmp_path))
     assert_one_line_error(proc, "dense (non-MoE)", "qwen3_moe", "mixtral")
     with pytest.raises(UnsupportedModelError):

@@ -8,8 +8,18 @@ from test_bad_input import run_cli
 
 
 def test_generate_streams_and_summarises(qwen3_checkpoint):
-    proc = run_cli("generate", "--model", str(qwen3_checkpoint), "--device", "cpu", "--max-tokens", "9", "--quiet",
-                   "--raw", "hello")
+    proc = run_cli(
+        "generate",
+        "--model",
+        str(qwen3_checkpoint),
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "9",
+        "--quiet",
+        "--raw",
+        "hello",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = [l for l in proc.stderr.splitlines() if l.startswith("[moetide]")]
     assert len(summary) == 1

@@ -42,7 +42,9 @@ def test_shipped_model_fits_the_size_limits():
 @pytest.mark.parametrize("policy,budget", [("on-demand", None), ("combined", "200MiB")])
 def test_generate_without_model_uses_the_demo_and_stops_at_end_of_turn(policy, budget):
     llm = moetide.LLM(device="cpu", policy=policy, gpu_memory=budget)
-    out = llm.chat([{"role": "user", "content": "Thank you!"}], moetide.SamplingParams(max_tokens=120, temperature=0))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "Thank you!"}], moetide.SamplingParams(max_tokens=120, temperature=0)
+    )[0]
     assert out.finish_reason == "stop" and 0 < len(out.token_ids) < 120  # stopped at <|end|>, not the limit
     assert "welcome" in out.text
     llm.close()

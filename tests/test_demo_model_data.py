@@ -73,13 +73,22 @@ def test_classify_workload():
     assert sg.classify_workload("Here is the code:\n```python\nprint(1)\n```") == "code"
     py = "def f(x):\n    return x + 1\n\nimport os\nprint(f(2))\n"
     assert sg.classify_workload([["user", "fix this"], ["assistant", py]]) == "code"
-    assert sg.classify_workload({"turns": [["user", "请帮我写一首关于春天的诗"], ["assistant", "春风拂面，花开满园。"]]}) == "non-english"
-    es = ("Hola, necesito una receta para la cena. ¿Qué me recomiendas? Algo con pollo y arroz, por favor, "
-          "que sea fácil de preparar para una familia de cuatro personas y que no tenga mucha grasa. "
-          "Claro, aquí está una receta de arroz con pollo que es fácil de hacer y es muy rica para la familia.")
+    assert (
+        sg.classify_workload(
+            {"turns": [["user", "请帮我写一首关于春天的诗"], ["assistant", "春风拂面，花开满园。"]]}
+        )
+        == "non-english"
+    )
+    es = (
+        "Hola, necesito una receta para la cena. ¿Qué me recomiendas? Algo con pollo y arroz, por favor, "
+        "que sea fácil de preparar para una familia de cuatro personas y que no tenga mucha grasa. "
+        "Claro, aquí está una receta de arroz con pollo que es fácil de hacer y es muy rica para la familia."
+    )
     assert sg.classify_workload(es) == "non-english"
-    en = ("What are some good ideas for a birthday party for a ten year old? I want it to be fun and not "
-          "too expensive. Here are a few ideas: a scavenger hunt, a movie night, or a picnic in the park.")
+    en = (
+        "What are some good ideas for a birthday party for a ten year old? I want it to be fun and not "
+        "too expensive. Here are a few ideas: a scavenger hunt, a movie night, or a picnic in the park."
+    )
     assert sg.classify_workload([("user", en)]) == "chat"
     assert sg.classify_workload({"conversations": [{"from": "human", "value": en}]}) == "chat"
     assert set(sg.WORKLOADS) == {"code", "non-english", "chat"}
@@ -130,7 +139,10 @@ def demo_tokenizer():
 def test_chat_template_and_end_of_turn(demo_tokenizer):
     tok = demo_tokenizer
     assert len(tok) == 8192
-    msgs = [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "Hi. How can I help?"}]
+    msgs = [
+        {"role": "user", "content": "Hello there!"},
+        {"role": "assistant", "content": "Hi. How can I help?"},
+    ]
     text = tok.apply_chat_template(msgs, tokenize=False)
     assert text == "<|endoftext|><|user|>\nHello there!<|end|><|assistant|>\nHi. How can I help?<|end|>"
     prompt = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)

@@ -25,13 +25,16 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("policy,budget,tol", [
-    ("no-offload", None, 1e-2),
-    ("on-demand", "tight", 1e-2),
-    ("combined", "64MiB", 1e-2),
-    ("static-int4", "64MiB", 0.15),
-    ("static-int2", "64MiB", 0.6),
-])
+@pytest.mark.parametrize(
+    "policy,budget,tol",
+    [
+        ("no-offload", None, 1e-2),
+        ("on-demand", "tight", 1e-2),
+        ("combined", "64MiB", 1e-2),
+        ("static-int4", "64MiB", 0.15),
+        ("static-int2", "64MiB", 0.6),
+    ],
+)
 def test_policies_on_cuda_match_transformers_bf16(tiny_checkpoints, policy, budget, tol):
     """bf16 tolerance: relative Frobenius error of the logits < 1e-2 for hi paths; lo paths are
     bounded by their quantization error (int4 < 0.15, int2 < 0.6 on random tiny experts)."""
@@ -41,14 +44,18 @@ def test_policies_on_cuda_match_transformers_bf16(tiny_checkpoints, policy, budg
         plan = roomy.loaded.runtime.residency.plan
         roomy.close()
         budget = plan.fixed.total + 5 * plan.hi_slot_bytes  # 5 of 16 experts fit: evictions happen
-    llm = moetide.LLM(path, device="cuda", dtype="bfloat16", policy=policy, gpu_memory=budget, on_miss="stall")
+    llm = moetide.LLM(
+        path, device="cuda", dtype="bfloat16", policy=policy, gpu_memory=budget, on_miss="stall"
+    )
     ids = torch.randint(5, 90, (2, 13), generator=torch.Generator().manual_seed(4)).cuda()
     with torch.no_grad():
         got = llm.loaded.model(ids).logits.float()
     assert _rel(got, _bf16_logits(reference, ids)) < tol
     if policy == "on-demand":
         assert llm.metrics.evictions > 0 and llm.metrics.bytes_h2d > 0
-    out = llm.generate([[5, 6, 7, 8]], moetide.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    out = llm.generate([[5, 6, 7, 8]], moetide.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[
+        0
+    ]
     assert len(out.token_ids) == 16
     llm.close()
 
@@ -58,9 +65,16 @@ def test_no_offload_greedy_equals_transformers_generate_bf16(tiny_checkpoints):
     ref = copy.deepcopy(reference).to("cuda", torch.bfloat16)
     llm = moetide.LLM(path, device="cuda", dtype="bfloat16", policy="no-offload")
     prompt = [7, 8, 9, 10, 11]
-    expected = ref.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False,
-                            eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
-    got = llm.generate([prompt], moetide.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].token_ids
+    expected = ref.generate(
+        torch.tensor([prompt], device="cuda"),
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=2,
+    )[0, len(prompt) :].tolist()
+    got = llm.generate([prompt], moetide.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[
+        0
+    ].token_ids
     # bf16: a different but valid summation order may flip a near-tie late in the sequence
     agree = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), len(got))
     assert agree >= 8, (got, expected)
@@ -70,16 +84,29 @@ def test_no_offload_greedy_equals_transformers_generate_bf16(tiny_checkpoints):
 def test_peak_gpu_memory_stays_under_the_budget(tmp_path):
     from moetide.bench.synthetic import write_synthetic_checkpoint
 
-    path = write_synthetic_checkpoint("olmoe-1b-7b", tmp_path / "m", num_hidden_layers=4, num_experts=16,
-                                      hidden_size=512, intermediate_size=1024, vocab_size=4096,
-                                      num_attention_heads=8, num_key_value_heads=8, progress=False)
-    budget = 192 << 20  # fixed part ~146 MiB (incl. top_k experts of scratch); 64 experts x 3 MiB do not all fit
+    path = write_synthetic_checkpoint(
+        "olmoe-1b-7b",
+        tmp_path / "m",
+        num_hidden_layers=4,
+        num_experts=16,
+        hidden_size=512,
+        intermediate_size=1024,
+        vocab_size=4096,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        progress=False,
+    )
+    budget = (
+        192 << 20
+    )  # fixed part ~146 MiB (incl. top_k experts of scratch); 64 experts x 3 MiB do not all fit
     for policy in ("on-demand", "static-int2", "combined"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         llm = moetide.LLM(path, device="cuda", policy=policy, gpu_memory=budget)
-        llm.generate([list(range(3, 200))], moetide.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        llm.generate(
+            [list(range(3, 200))], moetide.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        )
         peak = torch.cuda.max_memory_allocated() - base
         assert peak <= budget, (policy, peak)
         llm.close()
@@ -88,10 +115,10 @@ def test_peak_gpu_memory_stays_under_the_budget(tmp_path):
 
 def test_cuda_residency_random_interleavings():
     """The CPU-backend property test, on real CUDA streams and events with a pinned store."""
+    import test_residency as tr
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    import test_residency as tr
     from moetide.residency.budget import BudgetTracker, FixedCosts, plan_memory
     from moetide.residency.core import ResidencyManager, ResidencyOptions
     from moetide.residency.metrics import ExpertMetrics
@@ -102,19 +129,36 @@ def test_cuda_residency_random_interleavings():
     store.versions.update(pinned)
 
     @settings(max_examples=10, deadline=None)
-    @given(mode=st.sampled_from(["hi-cache", "lo+hi"]), hi_slots=st.integers(2, 6),
-           ops=st.lists(tr.op, min_size=1, max_size=20))
+    @given(
+        mode=st.sampled_from(["hi-cache", "lo+hi"]),
+        hi_slots=st.integers(2, 6),
+        ops=st.lists(tr.op, min_size=1, max_size=20),
+    )
     def run(mode, hi_slots, ops):
         hi_b, lo_b = store.bytes_per_expert("hi"), store.bytes_per_expert("int4")
         fixed = FixedCosts(1000, 0, 0, 0)
         lo_slots = tr.LAYERS * tr.EXPERTS if mode == "lo+hi" else 0
         budget = fixed.total + hi_slots * hi_b + lo_slots * lo_b
-        plan = plan_memory(budget, fixed, num_experts_total=tr.LAYERS * tr.EXPERTS, hi_slot_bytes=hi_b,
-                           lo_slot_bytes=lo_b, min_hi_slots=2, mode=mode)
+        plan = plan_memory(
+            budget,
+            fixed,
+            num_experts_total=tr.LAYERS * tr.EXPERTS,
+            hi_slot_bytes=hi_b,
+            lo_slot_bytes=lo_b,
+            min_hi_slots=2,
+            mode=mode,
+        )
         tracker = BudgetTracker(budget)
         tracker.reserve(fixed.total, "fixed", "fixed")
-        m = ResidencyManager(store, ExpertMetrics(tr.LAYERS), plan, tracker, CudaTransfer(torch.device("cuda")),
-                             torch.device("cuda"), ResidencyOptions(mode=mode, lo_precision="int4"))
+        m = ResidencyManager(
+            store,
+            ExpertMetrics(tr.LAYERS),
+            plan,
+            tracker,
+            CudaTransfer(torch.device("cuda")),
+            torch.device("cuda"),
+            ResidencyOptions(mode=mode, lo_precision="int4"),
+        )
         if mode == "lo+hi":
             m.preload("lo")
         x = torch.randn(3, tr.HIDDEN, device="cuda")
@@ -124,8 +168,11 @@ def test_cuda_residency_random_interleavings():
                 while pending:
                     resolved, pending = m.acquire(layer, pending, torch.device("cuda"))
                     for e, v in resolved.items():
-                        got = (tr.expert_mlp(x, v.views["gate_up"], v.views["down"], tr.ACT)
-                               if v.precision == "hi" else v.forward(x, tr.ACT))
+                        got = (
+                            tr.expert_mlp(x, v.views["gate_up"], v.views["down"], tr.ACT)
+                            if v.precision == "hi"
+                            else v.forward(x, tr.ACT)
+                        )
                         ref = tr.reference_output(x.cpu(), layer, e, v.precision)
                         torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-5)
                     m.release(layer, list(resolved))

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
+from tiny_models import FAMILIES
 
 import moetide
 from moetide.models.loader import load_model
-from tiny_models import FAMILIES
 
 GREEDY_32 = moetide.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
@@ -36,7 +36,7 @@ def test_greedy_generation_matches_transformers_generate(tiny_checkpoints, famil
     prompt = [7, 8, 9, 10, 11, 12, 13]
     expected = reference.generate(
         torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2
-    )[0, len(prompt):].tolist()
+    )[0, len(prompt) :].tolist()
     out = llm.generate([prompt], GREEDY_32)[0]
     assert out.token_ids == expected
     assert len(out.token_ids) == 32 and out.finish_reason == "length"
@@ -73,10 +73,14 @@ def test_sequences_join_and_leave_between_steps(qwen3_checkpoint):
 
 def test_seeded_sampling_is_reproducible(qwen3_checkpoint):
     llm = moetide.LLM(qwen3_checkpoint, device="cpu")
-    params = moetide.SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=20, seed=123, ignore_eos=True)
+    params = moetide.SamplingParams(
+        max_tokens=12, temperature=0.9, top_p=0.9, top_k=20, seed=123, ignore_eos=True
+    )
     a = llm.generate([[5, 6, 7]], params)[0].token_ids
     b = llm.generate([[5, 6, 7]], params)[0].token_ids
-    c = llm.generate([[5, 6, 7]], moetide.SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True))
+    c = llm.generate(
+        [[5, 6, 7]], moetide.SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
+    )
     assert a == b
     assert len(a) == 12 and len(c[0].token_ids) == 12
 
@@ -85,7 +89,9 @@ def test_stop_string_cuts_the_text(qwen3_checkpoint):
     llm = moetide.LLM(qwen3_checkpoint, device="cpu")
     free = llm.generate(["abc"], moetide.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
     stop = free.text[3:5]
-    cut = llm.generate(["abc"], moetide.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    cut = llm.generate(
+        ["abc"], moetide.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.find(stop)]
 

@@ -39,17 +39,33 @@ def make_store(lo: str = "int4") -> HostExpertStore:
 STORE = make_store()
 
 
-def make_manager(mode: str, hi_slots: int, lo_slots: int, on_miss: str = "stall", bandwidth: float | None = 2e8):
+def make_manager(
+    mode: str, hi_slots: int, lo_slots: int, on_miss: str = "stall", bandwidth: float | None = 2e8
+):
     hi_bytes, lo_bytes = STORE.bytes_per_expert("hi"), STORE.bytes_per_expert("int4")
     fixed = FixedCosts(1000, 0, 0, 0)
     budget = fixed.total + hi_slots * hi_bytes + lo_slots * lo_bytes
-    plan = plan_memory(budget, fixed, num_experts_total=LAYERS * EXPERTS, hi_slot_bytes=hi_bytes,
-                       lo_slot_bytes=lo_bytes, min_hi_slots=2 if mode != "all-lo" else 0, mode=mode)
+    plan = plan_memory(
+        budget,
+        fixed,
+        num_experts_total=LAYERS * EXPERTS,
+        hi_slot_bytes=hi_bytes,
+        lo_slot_bytes=lo_bytes,
+        min_hi_slots=2 if mode != "all-lo" else 0,
+        mode=mode,
+    )
     tracker = BudgetTracker(budget)
     tracker.reserve(fixed.total, "fixed", "fixed")
     transfer = CpuTransfer(bandwidth_bytes_per_s=bandwidth, poison=True)
-    manager = ResidencyManager(STORE, ExpertMetrics(LAYERS), plan, tracker, transfer, torch.device("cpu"),
-                               ResidencyOptions(mode=mode, lo_precision="int4", on_miss=on_miss))
+    manager = ResidencyManager(
+        STORE,
+        ExpertMetrics(LAYERS),
+        plan,
+        tracker,
+        transfer,
+        torch.device("cpu"),
+        ResidencyOptions(mode=mode, lo_precision="int4", on_miss=on_miss),
+    )
     if mode in ("lo+hi", "all-lo"):
         manager.preload("lo")
     return manager
@@ -98,11 +114,21 @@ def check_invariants(manager):
 
 
 op = st.one_of(
-    st.tuples(st.just("forward"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=6)),
-    st.tuples(st.just("prefetch"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4)),
+    st.tuples(
+        st.just("forward"),
+        st.integers(0, LAYERS - 1),
+        st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=6),
+    ),
+    st.tuples(
+        st.just("prefetch"),
+        st.integers(0, LAYERS - 1),
+        st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4),
+    ),
     st.tuples(st.just("promote"), st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)),
     st.tuples(st.just("demote"), st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)),
-    st.tuples(st.just("protect"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=3)),
+    st.tuples(
+        st.just("protect"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=3)
+    ),
 )
 
 
@@ -114,8 +140,9 @@ op = st.one_of(
     ops=st.lists(op, min_size=1, max_size=25),
 )
 def test_random_interleavings_keep_every_invariant(mode, hi_slots, on_miss, ops):
-    manager = make_manager(mode, hi_slots if mode != "all-lo" else 0, LAYERS * EXPERTS if mode != "hi-cache" else 0,
-                           on_miss)
+    manager = make_manager(
+        mode, hi_slots if mode != "all-lo" else 0, LAYERS * EXPERTS if mode != "hi-cache" else 0, on_miss
+    )
     x = torch.randn(3, HIDDEN)
     iteration = 0
     try:
@@ -167,7 +194,6 @@ def test_protected_experts_are_not_evicted():
 def test_promotion_is_published_only_after_its_copy_and_the_forward_pass_never_waits():
     # a very slow copy engine: the promotion cannot finish while the forward pass runs
     manager = make_manager("lo+hi", 4, LAYERS * EXPERTS, on_miss="lo", bandwidth=2e4)
-    x = torch.randn(2, HIDDEN)
     manager.begin_iteration(1)
     manager.set_precision(0, 4, "hi")
     resolved, _ = manager.acquire(0, [4], torch.device("cpu"))
@@ -215,11 +241,25 @@ def test_demotion_frees_the_hi_slot():
 def test_budget_too_small_for_the_fixed_part_names_the_minimum():
     fixed = FixedCosts(10_000, 5_000, 5_000, 0)
     with pytest.raises(BudgetError, match="minimum is"):
-        plan_memory(15_000, fixed, num_experts_total=10, hi_slot_bytes=1000, lo_slot_bytes=250, min_hi_slots=2,
-                    mode="hi-cache")
+        plan_memory(
+            15_000,
+            fixed,
+            num_experts_total=10,
+            hi_slot_bytes=1000,
+            lo_slot_bytes=250,
+            min_hi_slots=2,
+            mode="hi-cache",
+        )
     with pytest.raises(BudgetError, match="no-offload needs"):
-        plan_memory(30_000, fixed, num_experts_total=20, hi_slot_bytes=1000, lo_slot_bytes=250, min_hi_slots=2,
-                    mode="all-hi")
+        plan_memory(
+            30_000,
+            fixed,
+            num_experts_total=20,
+            hi_slot_bytes=1000,
+            lo_slot_bytes=250,
+            min_hi_slots=2,
+            mode="all-hi",
+        )
 
 
 @pytest.mark.parametrize("policy", ["no-offload", "on-demand", "combined", "dynaexq"])
@@ -262,7 +302,9 @@ def test_impossible_budget_is_a_clear_error(qwen3_checkpoint):
     tight.close()
 
 
-def test_prepare_writes_a_cache_that_later_loads_reuse_and_a_changed_checkpoint_invalidates(tiny_checkpoints, tmp_path):
+def test_prepare_writes_a_cache_that_later_loads_reuse_and_a_changed_checkpoint_invalidates(
+    tiny_checkpoints, tmp_path
+):
     import shutil
 
     from moetide.store.prepare import cache_file, prepare
@@ -283,10 +325,14 @@ def test_prepare_writes_a_cache_that_later_loads_reuse_and_a_changed_checkpoint_
 
 
 def test_host_versions_can_be_dropped_only_where_the_device_holds_them(qwen3_checkpoint):
-    llm = moetide.LLM(qwen3_checkpoint, device="cpu", policy="static-int4", gpu_memory="64MiB", host_versions=())
+    llm = moetide.LLM(
+        qwen3_checkpoint, device="cpu", policy="static-int4", gpu_memory="64MiB", host_versions=()
+    )
     assert llm.loaded.store.versions == {}  # every expert lives in the device's lo pool
     out = llm.generate([[5, 6, 7]], moetide.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 6
     llm.close()
     with pytest.raises(BudgetError, match="cannot drop the host hi versions"):
-        moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory="64MiB", host_versions=("lo",))
+        moetide.LLM(
+            qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory="64MiB", host_versions=("lo",)
+        )

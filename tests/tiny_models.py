@@ -18,7 +18,9 @@ BASE = dict(
 
 FAMILY_KWARGS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40),
+    "qwen2_moe": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40
+    ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2),
     "phimoe": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
@@ -53,8 +55,14 @@ def make_config(model_type: str):
     return cfg
 
 
-def save_tiny_model(model_type: str, path: Path, *, seed: int = 0, with_tokenizer: bool = True,
-                    max_shard_size: str | None = None):
+def save_tiny_model(
+    model_type: str,
+    path: Path,
+    *,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    max_shard_size: str | None = None,
+):
     """Random `model_type` model saved at `path`; returns the transformers model (fp32, eval)."""
     from transformers import AutoModelForCausalLM
 
@@ -76,7 +84,7 @@ def save_tiny_model(model_type: str, path: Path, *, seed: int = 0, with_tokenize
 
 def save_char_tokenizer(path: Path, vocab_size: int) -> None:
     """A tiny character-level fast tokenizer with a chat template, built with `tokenizers`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>"]

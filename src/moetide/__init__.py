@@ -8,5 +8,5 @@ from .engine.llm import LLM, RequestOutput, demo_model_path
 from .engine.sampling import SamplingParams
 from .errors import MoetideError
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "MoetideError", "demo_model_path"]
+__all__ = ["LLM", "MoetideError", "RequestOutput", "SamplingParams", "demo_model_path"]
 __version__ = "0.1.0"

@@ -17,22 +17,44 @@ from .errors import MoetideError
 def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
     """Options shared by every command that loads a model (mapped onto `EngineConfig`)."""
     if model_positional:
-        p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded demo model)")
+        p.add_argument(
+            "model", nargs="?", default=None, help="checkpoint directory (default: the embedded demo model)"
+        )
     else:
-        p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
+        p.add_argument(
+            "--model", default=None, help="checkpoint directory (default: the embedded demo model)"
+        )
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: CUDA when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--gpu-memory", default=None, help="hard cap on moetide's device memory, e.g. 6GiB")
     p.add_argument("--policy", default="combined", choices=POLICIES, help="expert residency policy")
-    p.add_argument("--lo", dest="lo_precision", default="auto", choices=["auto", "int4", "int2"],
-                   help="lo precision (auto: int4 when every expert fits in int4 beside the hi cache, else int2)")
-    p.add_argument("--on-miss", default="lo", choices=["stall", "lo"], help="on a miss: run a resident lo version, or stall for hi")
+    p.add_argument(
+        "--lo",
+        dest="lo_precision",
+        default="auto",
+        choices=["auto", "int4", "int2"],
+        help="lo precision (auto: int4 when every expert fits in int4 beside the hi cache, else int2)",
+    )
+    p.add_argument(
+        "--on-miss",
+        default="lo",
+        choices=["stall", "lo"],
+        help="on a miss: run a resident lo version, or stall for hi",
+    )
     p.add_argument("--prefetch-distance", type=int, default=2, help="FineMoE prefetch distance d (layers)")
-    p.add_argument("--hi", dest="hi_precision", default="bf16", choices=["bf16", "int4"],
-                   help="hot experts' precision for dynaexq/combined (int4: three tiers, lo = int2)")
-    p.add_argument("--host-versions", default=None,
-                   help="expert versions to keep in host memory, e.g. 'lo' or 'hi,lo' (default: all); a version"
-                        " can be dropped only where the device holds it for every expert")
+    p.add_argument(
+        "--hi",
+        dest="hi_precision",
+        default="bf16",
+        choices=["bf16", "int4"],
+        help="hot experts' precision for dynaexq/combined (int4: three tiers, lo = int2)",
+    )
+    p.add_argument(
+        "--host-versions",
+        default=None,
+        help="expert versions to keep in host memory, e.g. 'lo' or 'hi,lo' (default: all); a version"
+        " can be dropped only where the device holds it for every expert",
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -52,7 +74,9 @@ def engine_config_from_args(args) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         hi_precision="hi" if args.hi_precision == "bf16" else args.hi_precision,
-        host_versions=None if args.host_versions is None else tuple(v for v in args.host_versions.split(",") if v),
+        host_versions=None
+        if args.host_versions is None
+        else tuple(v for v in args.host_versions.split(",") if v),
     )
 
 
@@ -64,13 +88,18 @@ def cmd_generate(args) -> int:
     config = engine_config_from_args(args)
     loaded, engine, tokenizer = build_engine(config, progress=not args.quiet)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop or None,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or None,
     )
     use_chat = not args.raw and bool(getattr(tokenizer, "chat_template", None))
     if use_chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
+        )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     else:
         ids = tokenizer.encode(args.prompt)

@@ -40,7 +40,7 @@ POLICIES = (
 PRECISIONS = ("hi", "int4", "int2")
 
 
-def parse_bytes(text: str | int | float | None) -> int | None:
+def parse_bytes(text: str | float | None) -> int | None:
     """`"6GiB"` -> 6442450944; `"512MB"` -> 512000000; ints pass through; None stays None."""
     if text is None:
         return None
@@ -121,7 +121,9 @@ class EngineConfig:
         if not str(self.model):
             raise ConfigError("a model path is required")
         if self.hi_precision not in ("hi", "int4"):
-            raise ConfigError(f"hi precision must be 'hi' (the checkpoint's) or int4, got {self.hi_precision!r}")
+            raise ConfigError(
+                f"hi precision must be 'hi' (the checkpoint's) or int4, got {self.hi_precision!r}"
+            )
         if self.hi_precision == "int4" and self.lo_precision == "int4":
             raise ConfigError("with int4 hot experts the lo precision must be int2")
         if self.host_versions is not None:

@@ -32,8 +32,17 @@ def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     return torch.randint(3, vocab_size, (length,), generator=g).tolist()
 
 
-def bench_moetide(path, policy: str, gpu_memory: str | None, *, prompt_len: int = 32, new_tokens: int = 64,
-                  device: str | None = None, warmup_tokens: int = 4, **engine_kwargs) -> dict:
+def bench_moetide(
+    path,
+    policy: str,
+    gpu_memory: str | None,
+    *,
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    device: str | None = None,
+    warmup_tokens: int = 4,
+    **engine_kwargs,
+) -> dict:
     """Decode speed of one moetide policy at batch 1."""
     import moetide
 
@@ -45,8 +54,10 @@ def bench_moetide(path, policy: str, gpu_memory: str | None, *, prompt_len: int 
     ids = prompt_ids(vocab, prompt_len)
     llm.generate([ids], moetide.SamplingParams(max_tokens=warmup_tokens, temperature=0, ignore_eos=True))
     llm.metrics.reset()
-    out = llm.generate([prompt_ids(vocab, prompt_len, seed=1)],
-                       moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt_ids(vocab, prompt_len, seed=1)],
+        moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+    )[0]
     result = {
         "engine": "moetide",
         "policy": policy,
@@ -68,8 +79,14 @@ def bench_moetide(path, policy: str, gpu_memory: str | None, *, prompt_len: int 
     return result
 
 
-def bench_hf(path, *, offload_budget: str | None = None, prompt_len: int = 32, new_tokens: int = 64,
-             experts_implementation: str | None = None) -> dict:
+def bench_hf(
+    path,
+    *,
+    offload_budget: str | None = None,
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    experts_implementation: str | None = None,
+) -> dict:
     """transformers' own `generate`: fully on the GPU, or with accelerate offloading under a cap."""
     from transformers import AutoModelForCausalLM
 

@@ -16,26 +16,63 @@ from tqdm.auto import tqdm
 
 SHAPES: dict[str, dict] = {
     "olmoe-1b-7b": dict(
-        model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
-        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
-        max_position_embeddings=4096, tie_word_embeddings=False, norm_topk_prob=False,
+        model_type="olmoe",
+        vocab_size=50304,
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=64,
+        num_experts_per_tok=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        norm_topk_prob=False,
     ),
     "qwen1.5-moe-a2.7b": dict(
-        model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, intermediate_size=5632,
-        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_hidden_layers=24,
-        num_attention_heads=16, num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
-        max_position_embeddings=8192, tie_word_embeddings=False,
+        model_type="qwen2_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5632,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=60,
+        num_experts_per_tok=4,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
     ),
     "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960,
-        tie_word_embeddings=False, norm_topk_prob=True,
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        norm_topk_prob=True,
     ),
     "mixtral-8x7b": dict(
-        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False,
+        model_type="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32768,
+        sliding_window=None,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -69,12 +106,20 @@ def write_word_tokenizer(path: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<pad>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+    ).save_pretrained(path)
 
 
-def write_synthetic_checkpoint(name: str, path: str | Path, *, seed: int = 0, shard_bytes: int = 2 << 30,
-                               progress: bool = True, **overrides) -> Path:
+def write_synthetic_checkpoint(
+    name: str,
+    path: str | Path,
+    *,
+    seed: int = 0,
+    shard_bytes: int = 2 << 30,
+    progress: bool = True,
+    **overrides,
+) -> Path:
     """Write a random bf16 model of shape `name` to `path` (config, shards, index, tokenizer)."""
     from ..models.loader import build_empty_model, moe_blocks
     from ..models.registry import get_adapter
@@ -95,7 +140,11 @@ def write_synthetic_checkpoint(name: str, path: str | Path, *, seed: int = 0, sh
     inter, hidden = adapter.expert_intermediate(cfg), cfg.hidden_size
     for layer in sorted(blocks):
         for e in range(adapter.num_experts(cfg)):
-            for role, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            for role, shape in (
+                ("gate", (inter, hidden)),
+                ("up", (inter, hidden)),
+                ("down", (hidden, inter)),
+            ):
                 entries.append((adapter.expert_checkpoint_key(layer, e, role), shape))
     weight_map, shard, shard_size, index = {}, {}, 0, 0
     total = sum(torch.Size(s).numel() * 2 for _, s in entries)

@@ -81,11 +81,20 @@ def grouped_moe(
     flat = group_ids.reshape(-1)
     if flat.numel() <= k:  # one token: gather its k experts, no sort needed
         pair_token = torch.zeros_like(flat)
-        return gathered_pairs(hidden, top_k_weights.reshape(-1), pair_token, flat, gate_up_all, down_all, act_fn)
+        return gathered_pairs(
+            hidden, top_k_weights.reshape(-1), pair_token, flat, gate_up_all, down_all, act_fn
+        )
     order = torch.argsort(flat, stable=True)
     offs = torch.bincount(flat, minlength=gate_up_all.shape[0]).cumsum(0).to(torch.int32)
-    return grouped_pairs(hidden, top_k_weights.reshape(-1).index_select(0, order), order // k, offs,
-                         gate_up_all, down_all, act_fn)
+    return grouped_pairs(
+        hidden,
+        top_k_weights.reshape(-1).index_select(0, order),
+        order // k,
+        offs,
+        gate_up_all,
+        down_all,
+        act_fn,
+    )
 
 
 def gathered_pairs(

@@ -20,8 +20,9 @@ def row_views(rows: torch.Tensor, meta: quant.QuantMeta) -> dict[str, torch.Tens
     return views
 
 
-def _dequantize_batched(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                        dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_batched(
+    packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
     """packed (P, N, Kp) uint8, scale/offset (P, N, G) -> (P, N, K) in `dtype`."""
     codes = quant.unpack(packed, bits)  # (P, N, K)
     p, n, k = codes.shape
@@ -35,9 +36,13 @@ def _dequantize_batched(packed: torch.Tensor, scale: torch.Tensor, offset: torch
     return w.view(p, n, k).to(dtype)
 
 
-def dequantize_rows(rows: torch.Tensor, meta: quant.QuantMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_rows(
+    rows: torch.Tensor, meta: quant.QuantMeta, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`rows (P, nbytes)` of lo versions -> `gate_up (P, 2I, H)`, `down (P, H, I)` in `dtype`."""
     v = row_views(rows, meta)
-    gate_up = _dequantize_batched(v["gate_up_packed"], v["gate_up_scale"], v["gate_up_offset"], meta.bits, dtype)
+    gate_up = _dequantize_batched(
+        v["gate_up_packed"], v["gate_up_scale"], v["gate_up_offset"], meta.bits, dtype
+    )
     down = _dequantize_batched(v["down_packed"], v["down_scale"], v["down_offset"], meta.bits, dtype)
     return gate_up, down

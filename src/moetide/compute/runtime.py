@@ -49,8 +49,15 @@ class ExpertRuntime:
                 used = int(torch.unique(top_k_index).numel())
                 self.metrics.layers[layer].used += used
                 self.metrics.layers[layer].hits += used
-            return grouped_moe(hidden, top_k_index, top_k_weights, top_k_index + group_base,
-                               gate_up_all, down_all, self.act_fn)
+            return grouped_moe(
+                hidden,
+                top_k_index,
+                top_k_weights,
+                top_k_index + group_base,
+                gate_up_all,
+                down_all,
+                self.act_fn,
+            )
         static_lo = self.residency.static_lo_rows(layer)
         if static_lo is not None and top_k_index.numel() <= self.top_k:  # one token: no host sync
             base, arena, meta = static_lo
@@ -89,13 +96,22 @@ class ExpertRuntime:
 
                 arena, meta = lo_rows  # the chunk's lo slots, dequantized in one batched pass
                 slots = torch.tensor([resolved[e].slot for e in chunk], dtype=torch.long)
-                gate_up_all, down_all = dequantize_rows(arena.index_select(0, slots.to(arena.device)), meta, hidden.dtype)
+                gate_up_all, down_all = dequantize_rows(
+                    arena.index_select(0, slots.to(arena.device)), meta, hidden.dtype
+                )
             else:
                 weights = [self._dense_weights(resolved[e], hidden.dtype) for e in chunk]
                 gate_up_all = torch.stack([w[0] for w in weights])
                 down_all = torch.stack([w[1] for w in weights])
-            self._grouped_into(out, hidden, ids_cpu, top_k_weights, {e: i for i, e in enumerate(chunk)},
-                               gate_up_all, down_all)
+            self._grouped_into(
+                out,
+                hidden,
+                ids_cpu,
+                top_k_weights,
+                {e: i for i, e in enumerate(chunk)},
+                gate_up_all,
+                down_all,
+            )
         return out
 
     def _pairs_from_rows(self, hidden, top_k_index, top_k_weights, arena, base, meta) -> torch.Tensor:
@@ -123,7 +139,9 @@ class ExpertRuntime:
 
     MAX_GROUPS = 1024  # grouped_mm's limit on groups per call
 
-    def _grouped_into(self, out, hidden, ids_cpu, top_k_weights, group_of: dict[int, int], gate_up_all, down_all):
+    def _grouped_into(
+        self, out, hidden, ids_cpu, top_k_weights, group_of: dict[int, int], gate_up_all, down_all
+    ):
         """Add the experts in `group_of` (expert -> group of the weight tensors) to `out (T, H)`.
         Pairs are selected and sorted on the host (the ids are already there), so no device sync.
         Groups are windowed to the range the experts use, `MAX_GROUPS` at a time."""
@@ -135,8 +153,15 @@ class ExpertRuntime:
             for w, members in windows.items():
                 start = first + w * self.MAX_GROUPS
                 stop = min(start + self.MAX_GROUPS, gate_up_all.shape[0])
-                self._grouped_into(out, hidden, ids_cpu, top_k_weights, {e: g - start for e, g in members.items()},
-                                   gate_up_all[start:stop], down_all[start:stop])
+                self._grouped_into(
+                    out,
+                    hidden,
+                    ids_cpu,
+                    top_k_weights,
+                    {e: g - start for e, g in members.items()},
+                    gate_up_all[start:stop],
+                    down_all[start:stop],
+                )
             return
         lookup = torch.full((self.num_experts,), -1, dtype=torch.long)
         lookup[list(group_of)] = torch.tensor(list(group_of.values()), dtype=torch.long)
@@ -150,10 +175,19 @@ class ExpertRuntime:
         pair_token = (order // ids_cpu.shape[1]).to(dev, non_blocking=True)
         if order.numel() <= self.top_k:  # decode batch 1: gather + bmm beats a sparse grouped_mm
             pair_group = pair_group[order].to(dev, non_blocking=True)
-            out += gathered_pairs(hidden, pair_weights, pair_token, pair_group, gate_up_all, down_all, self.act_fn)
+            out += gathered_pairs(
+                hidden, pair_weights, pair_token, pair_group, gate_up_all, down_all, self.act_fn
+            )
             return
-        out += grouped_pairs(hidden, pair_weights, pair_token, offs.to(dev, non_blocking=True),
-                             gate_up_all, down_all, self.act_fn)
+        out += grouped_pairs(
+            hidden,
+            pair_weights,
+            pair_token,
+            offs.to(dev, non_blocking=True),
+            gate_up_all,
+            down_all,
+            self.act_fn,
+        )
 
 
 class ManagedExperts(nn.Module):

@@ -28,7 +28,13 @@ from typing import Any
 
 Turn = tuple[str, str]  # (role, text), role in {"user", "assistant"}
 
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+}
 
 #: Held-out share: conversations whose base id hashes below this fraction are held out (never trained on).
 HELDOUT_FRACTION = 0.025
@@ -120,8 +126,12 @@ def load_sharegpt(path: str | Path | None = None) -> tuple[list[dict], dict[str,
             continue
         seen.add(cid)
         convs.append({"id": cid, "turns": [list(t) for t in turns]})
-    counts = {"complete_records": n_records, "kept": len(convs), "dropped": n_records - len(convs),
-              "chars": sum(len(t[1]) for c in convs for t in c["turns"])}
+    counts = {
+        "complete_records": n_records,
+        "kept": len(convs),
+        "dropped": n_records - len(convs),
+        "chars": sum(len(t[1]) for c in convs for t in c["turns"]),
+    }
     return convs, counts
 
 
@@ -180,13 +190,128 @@ NON_ASCII_LETTER_SHARE = 0.2
 FOREIGN_STOPWORD_RATIO = 1.5
 FOREIGN_STOPWORD_MIN = 10
 _EN_STOPWORDS = frozenset(
-    "the of to and is in that it you for on with as are be this can your or by have will at from not but "
-    "we they if what which how their there was do more about".split()
+    [
+        "the",
+        "of",
+        "to",
+        "and",
+        "is",
+        "in",
+        "that",
+        "it",
+        "you",
+        "for",
+        "on",
+        "with",
+        "as",
+        "are",
+        "be",
+        "this",
+        "can",
+        "your",
+        "or",
+        "by",
+        "have",
+        "will",
+        "at",
+        "from",
+        "not",
+        "but",
+        "we",
+        "they",
+        "if",
+        "what",
+        "which",
+        "how",
+        "their",
+        "there",
+        "was",
+        "do",
+        "more",
+        "about",
+    ]
 )
 _FOREIGN_STOPWORDS = frozenset(  # Spanish, French, German, Italian, Portuguese function words
-    "de la que el en los las por para con una es un se del al lo como más pero su le les des et est pas "
-    "pour dans une qui ne sur au avec sont ce und der die das ist nicht mit ein eine zu von den sich auch "
-    "auf für dem è di che non per il della sono gli mi ti em os um uma não com da do dos na no ou ser".split()
+    [
+        "de",
+        "la",
+        "que",
+        "el",
+        "en",
+        "los",
+        "las",
+        "por",
+        "para",
+        "con",
+        "una",
+        "es",
+        "un",
+        "se",
+        "del",
+        "al",
+        "lo",
+        "como",
+        "más",
+        "pero",
+        "su",
+        "le",
+        "les",
+        "des",
+        "et",
+        "est",
+        "pas",
+        "pour",
+        "dans",
+        "une",
+        "qui",
+        "ne",
+        "sur",
+        "au",
+        "avec",
+        "sont",
+        "ce",
+        "und",
+        "der",
+        "die",
+        "das",
+        "ist",
+        "nicht",
+        "mit",
+        "ein",
+        "eine",
+        "zu",
+        "von",
+        "den",
+        "sich",
+        "auch",
+        "auf",
+        "für",
+        "dem",
+        "è",
+        "di",
+        "che",
+        "non",
+        "per",
+        "il",
+        "della",
+        "sono",
+        "gli",
+        "mi",
+        "ti",
+        "em",
+        "os",
+        "um",
+        "uma",
+        "não",
+        "com",
+        "da",
+        "do",
+        "dos",
+        "na",
+        "no",
+        "ou",
+        "ser",
+    ]
 )
 _WORD = re.compile(r"[^\W\d_]+")
 
@@ -337,7 +462,7 @@ def heldout_loss(
     pad = 0
     with torch.no_grad():
         for b in range(0, len(order), batch_size):
-            idx = [i for i in order[b:b + batch_size] if len(seqs[i]) >= 2]
+            idx = [i for i in order[b : b + batch_size] if len(seqs[i]) >= 2]
             if not idx:
                 continue
             T = max(len(seqs[i]) for i in idx)

@@ -36,8 +36,16 @@ class RequestOutput:
 
     @classmethod
     def from_sequence(cls, seq: Sequence, prompt: str | None) -> RequestOutput:
-        return cls(seq.request_id, prompt, seq.prompt_ids, list(seq.output_ids), seq.text, seq.finish_reason,
-                   seq.ttft_s, seq.tpot_s)
+        return cls(
+            seq.request_id,
+            prompt,
+            seq.prompt_ids,
+            list(seq.output_ids),
+            seq.text,
+            seq.finish_reason,
+            seq.ttft_s,
+            seq.tpot_s,
+        )
 
 
 def kv_cache_tokens(config: EngineConfig, loaded: LoadedModel) -> int | None:
@@ -158,9 +166,13 @@ class LLM:
             return None, list(prompt)
         raise ConfigError("each prompt must be a string or a list of token ids")
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Complete a prompt or a batch of prompts (strings or token-id lists); outputs in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
@@ -176,7 +188,9 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError(f"{self.config.model}: the tokenizer has no chat template; use generate() instead")
+            raise ConfigError(
+                f"{self.config.model}: the tokenizer has no chat template; use generate() instead"
+            )
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 

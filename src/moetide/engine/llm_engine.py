@@ -66,7 +66,9 @@ class LLMEngine:
         self.steps = 0
 
     # -- requests ------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
         if not prompt_ids:
             raise ConfigError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -213,4 +215,6 @@ class LLMEngine:
             self.batch, self._last_tokens = None, None
             return
         self.batch.keep_rows(keep)
-        self._last_tokens = self._last_tokens.index_select(0, torch.tensor(keep, device=self._last_tokens.device))
+        self._last_tokens = self._last_tokens.index_select(
+            0, torch.tensor(keep, device=self._last_tokens.device)
+        )

@@ -22,7 +22,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: CUDA when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
-        "--configs", default="bf16,int4,int2,dynamic,dynamic-int4",
+        "--configs",
+        default="bf16,int4,int2,dynamic,dynamic-int4",
         help="comma-separated: bf16, int4, int2, dynamic (bf16 hot experts), dynamic-int4 (int4 hot experts)",
     )
     p.add_argument(

@@ -156,7 +156,9 @@ def _device_budget(spec: EvalSpec, model_path: Path, geo: ExpertGeometry, n_hi: 
     mb = model_bytes(config)
     dtype = resolve_dtype(config.dtype, load_config(model_path), resolve_device(config.device))
     lo_bytes = quant.nbytes_for("int2", geo.intermediate, geo.hidden, dtype)
-    hi_bytes = mb.hi_expert_bytes if hi == "bf16" else quant.nbytes_for(hi, geo.intermediate, geo.hidden, dtype)
+    hi_bytes = (
+        mb.hi_expert_bytes if hi == "bf16" else quant.nbytes_for(hi, geo.intermediate, geo.hidden, dtype)
+    )
     return mb.fixed.total + geo.total * lo_bytes + n_hi * hi_bytes
 
 
@@ -233,8 +235,9 @@ def evaluate_config(
             raise ConfigError(f"budget {budget!r} buys {n_hi} hi experts, fewer than one per layer; raise it")
         budget_bytes = _device_budget(spec, model_path, geo, n_hi, hi)
         policy = "dynaexq"
-        record.update(hi_experts=n_hi, hi_precision=hi,
-                      expert_bytes=geo.static_bytes("int2") + n_hi * geo.ref_bytes[hi])
+        record.update(
+            hi_experts=n_hi, hi_precision=hi, expert_bytes=geo.static_bytes("int2") + n_hi * geo.ref_bytes[hi]
+        )
     else:
         budget_bytes, policy = None, STATIC_POLICY[name]
         precision = {"bf16": "bf16", "int4": "int4", "int2": "int2"}[name]
@@ -330,7 +333,10 @@ def write_table(report: dict, path: Path) -> str:
             f" | {r['loss']['all']:.4f} |"
         )
     lines.append("")
-    for config, gap in (("dynamic", report.get("gap_recovered")), ("dynamic-int4", report.get("gap_recovered_int4"))):
+    for config, gap in (
+        ("dynamic", report.get("gap_recovered")),
+        ("dynamic-int4", report.get("gap_recovered_int4")),
+    ):
         if gap:
             parts = ", ".join(f"{w} {v:.1%}" if v is not None else f"{w} n/a" for w, v in gap.items())
             lines.append(
@@ -354,8 +360,13 @@ def write_plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
     for ax, w in zip(axes.flat, ("all", *WORKLOADS), strict=True):
         dyn = []
-        for config, label in (("dynamic", "dynamic (bf16 + int2)"), ("dynamic-int4", "dynamic (int4 + int2)")):
-            points = sorted((r["expert_bytes"], r["ppl"][w]) for r in ok if r["config"] == config and w in r["ppl"])
+        for config, label in (
+            ("dynamic", "dynamic (bf16 + int2)"),
+            ("dynamic-int4", "dynamic (int4 + int2)"),
+        ):
+            points = sorted(
+                (r["expert_bytes"], r["ppl"][w]) for r in ok if r["config"] == config and w in r["ppl"]
+            )
             if points:
                 dyn += points
                 ax.plot([m / 2**20 for m, _ in points], [p for _, p in points], marker="o", label=label)

@@ -49,13 +49,19 @@ def read_shard_header(path: Path) -> ShardInfo:
         with path.open("rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+                raise CheckpointError(
+                    f"{path}: not a safetensors file (shorter than its 8-byte header length)"
+                )
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > size - 8 or header_len > 100_000_000:
-                raise CheckpointError(f"{path}: corrupt or truncated safetensors shard (header runs past the end)")
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors shard (header runs past the end)"
+                )
             header = json.loads(f.read(header_len))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors shard (unreadable header: {e.msg if hasattr(e, 'msg') else e})")
+        raise CheckpointError(
+            f"{path}: corrupt safetensors shard (unreadable header: {e.msg if hasattr(e, 'msg') else e})"
+        )
     data_len = size - 8 - header_len
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, entry in header.items():
@@ -65,7 +71,9 @@ def read_shard_header(path: Path) -> ShardInfo:
             begin, end = entry["data_offsets"]
             dtype, shape = entry["dtype"], tuple(entry["shape"])
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors shard (bad entry for tensor {name!r})") from None
+            raise CheckpointError(
+                f"{path}: corrupt safetensors shard (bad entry for tensor {name!r})"
+            ) from None
         if end > data_len or begin > end:
             raise CheckpointError(
                 f"{path}: truncated safetensors shard (tensor {name!r} ends at byte {end}, file holds {data_len})"
@@ -123,7 +131,9 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         shard_paths = [path / w for w in sorted(wanted)]
     shards = tuple(read_shard_header(p) for p in shard_paths)
     if not any(adapter.match_expert_key(n) for s in shards for n in s.tensors):
-        raise CheckpointError(f"{path}: no expert tensors in the shards (expected names like {adapter.expert_key_pattern})")
+        raise CheckpointError(
+            f"{path}: no expert tensors in the shards (expected names like {adapter.expert_key_pattern})"
+        )
     return CheckpointInfo(path=path, config=config, adapter=adapter, shards=shards)
 
 
@@ -133,7 +143,9 @@ def load_tokenizer(path: str | Path):
 
     path = Path(path).expanduser()
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-        raise TokenizerError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model); moetide needs one to generate text")
+        raise TokenizerError(
+            f"{path}: no tokenizer files (tokenizer.json or tokenizer.model); moetide needs one to generate text"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:

@@ -57,12 +57,14 @@ def resolve_device(device: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError("--device cuda was asked for but CUDA is not available on this machine; use --device cpu")
+        raise CheckpointError(
+            "--device cuda was asked for but CUDA is not available on this machine; use --device cpu"
+        )
     return dev
 
 
 def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
-    """"auto": the checkpoint's dtype on CUDA, float32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    """ "auto": the checkpoint's dtype on CUDA, float32 on CPU (CPU bf16 matmuls are slow and lossy)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
@@ -99,11 +101,17 @@ def _assign_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None
         module = model.get_submodule(module_name)
     except AttributeError:
         raise CheckpointError(f"checkpoint tensor {name!r} matches no module of the model") from None
-    old = module._parameters.get(param_name) if param_name in module._parameters else module._buffers.get(param_name)
+    old = (
+        module._parameters.get(param_name)
+        if param_name in module._parameters
+        else module._buffers.get(param_name)
+    )
     if old is None and param_name not in module._parameters and param_name not in module._buffers:
         raise CheckpointError(f"checkpoint tensor {name!r} matches no parameter of the model")
     if old is not None and tuple(old.shape) != tuple(tensor.shape):
-        raise CheckpointError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(old.shape)}")
+        raise CheckpointError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(old.shape)}"
+        )
     if param_name in module._parameters:
         module._parameters[param_name] = nn.Parameter(tensor, requires_grad=False)
     else:
@@ -132,7 +140,9 @@ def load_model(
     model = build_empty_model(config, compute_dtype)
     blocks = moe_blocks(model, adapter)
     if not blocks:
-        raise CheckpointError(f"{info.path}: the model has no MoE blocks with a {adapter.router_attr!r} router")
+        raise CheckpointError(
+            f"{info.path}: the model has no MoE blocks with a {adapter.router_attr!r} router"
+        )
     layer_to_moe = {layer_idx: i for i, (layer_idx, _) in enumerate(blocks)}
     first_experts = blocks[0][1].experts
     act_fn = first_experts.act_fn
@@ -157,16 +167,24 @@ def load_model(
                     if key is not None:
                         layer_idx, expert, role = key
                         if layer_idx not in layer_to_moe:
-                            raise CheckpointError(f"expert tensor {name!r} belongs to a layer without experts")
+                            raise CheckpointError(
+                                f"expert tensor {name!r} belongs to a layer without experts"
+                            )
                         store.put_projection(layer_to_moe[layer_idx], expert, role, tensor)
                     else:
-                        target = tensor.to(dev, dtype=compute_dtype) if tensor.is_floating_point() else tensor.to(dev)
+                        target = (
+                            tensor.to(dev, dtype=compute_dtype)
+                            if tensor.is_floating_point()
+                            else tensor.to(dev)
+                        )
                         _assign_parameter(model, adapter.model_key(name), target)
                     bar.update(1)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises SafetensorError and others on corrupt data
-            raise CheckpointError(f"{shard.path}: corrupt safetensors shard ({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{shard.path}: corrupt safetensors shard ({type(e).__name__}: {e})"
+            ) from None
     bar.close()
     store.check_complete()
 

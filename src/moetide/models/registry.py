@@ -81,7 +81,9 @@ class FamilyAdapter:
 
 def _pattern(block: str, projs: tuple[str, str, str]) -> str:
     alternatives = "|".join(projs)
-    return rf"model\.layers\.(?P<layer>\d+)\.{block}\.experts\.(?P<expert>\d+)\.(?P<proj>{alternatives})\.weight"
+    return (
+        rf"model\.layers\.(?P<layer>\d+)\.{block}\.experts\.(?P<expert>\d+)\.(?P<proj>{alternatives})\.weight"
+    )
 
 
 _GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")

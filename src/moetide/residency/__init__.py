@@ -37,7 +37,9 @@ MAX_PREFILL_TOKENS = 1024  # tokens per prefill forward; sizes the activation wo
 AUTO_LO_MIN_HI_SHARE = 0.25  # "auto" keeps int4 only if >= this share of the expert memory is left for hi
 
 
-def lo_precision_for(config: EngineConfig, store: HostExpertStore | None = None, expert_room: int | None = None) -> str:
+def lo_precision_for(
+    config: EngineConfig, store: HostExpertStore | None = None, expert_room: int | None = None
+) -> str:
     """The lo precision: fixed by static policies, else the config's, else (auto) int4 when every
     expert fits in int4 with a quarter of the expert memory left for the hi cache, else int2."""
     fixed = {"static-int4": "int4", "static-int2": "int2"}.get(config.policy)
@@ -48,7 +50,11 @@ def lo_precision_for(config: EngineConfig, store: HostExpertStore | None = None,
     from ..store import quant
 
     shape = store.shape
-    int4_all = store.num_layers * store.num_experts * quant.nbytes_for("int4", shape.intermediate, shape.hidden, shape.dtype)
+    int4_all = (
+        store.num_layers
+        * store.num_experts
+        * quant.nbytes_for("int4", shape.intermediate, shape.hidden, shape.dtype)
+    )
     return "int4" if int4_all <= (1 - AUTO_LO_MIN_HI_SHARE) * expert_room else "int2"
 
 
@@ -65,8 +71,9 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     return 2 * layers * kv_heads * head_dim * elt
 
 
-def fixed_costs(config: EngineConfig, model_config, model, dtype: torch.dtype, hi_expert_bytes: int,
-                budget_bytes: int) -> FixedCosts:
+def fixed_costs(
+    config: EngineConfig, model_config, model, dtype: torch.dtype, hi_expert_bytes: int, budget_bytes: int
+) -> FixedCosts:
     """`M_fixed` for this model and engine configuration (bytes)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
@@ -90,8 +97,15 @@ def fixed_costs(config: EngineConfig, model_config, model, dtype: torch.dtype, h
     return FixedCosts(weights, kv_tokens * per_token, activations, top_k * hi_expert_bytes, kv_tokens)
 
 
-def build_residency(config: EngineConfig, store: HostExpertStore, metrics: ExpertMetrics, device: torch.device,
-                    model, model_config, progress: bool = True):
+def build_residency(
+    config: EngineConfig,
+    store: HostExpertStore,
+    metrics: ExpertMetrics,
+    device: torch.device,
+    model,
+    model_config,
+    progress: bool = True,
+):
     """The residency core for `config.policy` on `device` under `config.gpu_memory_bytes`."""
     mode, needs_lo = POLICY_MODES[config.policy]
     budget_bytes = config.gpu_memory_bytes
@@ -101,11 +115,18 @@ def build_residency(config: EngineConfig, store: HostExpertStore, metrics: Exper
         budget_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9) if device.type == "cuda" else 1 << 62
     hi_bytes = store.bytes_per_expert("hi")
     if config.gpu_memory_bytes is None and mode in ("hi-cache", "lo+hi"):
-        room = budget_bytes - fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes).total
+        room = (
+            budget_bytes
+            - fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes).total
+        )
         if store.num_layers * store.num_experts * hi_bytes <= room:
             mode, needs_lo = "all-hi", False  # no cap given and the whole model fits: nothing to offload
-    lo = lo_precision_for(config, store, budget_bytes - fixed_costs(config, model_config, model, store.shape.dtype,
-                                                                    hi_bytes, budget_bytes).total)
+    lo = lo_precision_for(
+        config,
+        store,
+        budget_bytes
+        - fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes).total,
+    )
     hi_precision = config.hi_precision if mode == "lo+hi" else "hi"
     if hi_precision != "hi":
         lo = "int2"
@@ -132,7 +153,9 @@ def build_residency(config: EngineConfig, store: HostExpertStore, metrics: Exper
     transfer = (
         CudaTransfer(device)
         if device.type == "cuda"
-        else CpuTransfer(config.extra.get("cpu_bandwidth_bytes_per_s"), poison=config.extra.get("poison", False))
+        else CpuTransfer(
+            config.extra.get("cpu_bandwidth_bytes_per_s"), poison=config.extra.get("poison", False)
+        )
     )
     on_miss = "lo" if config.policy == "dynaexq" else config.on_miss
     options = ResidencyOptions(mode=mode, lo_precision=lo, on_miss=on_miss, hi_precision=hi_precision)
@@ -140,14 +163,18 @@ def build_residency(config: EngineConfig, store: HostExpertStore, metrics: Exper
     preload = {"all-hi": "hi", "all-lo": "lo", "lo+hi": "lo"}.get(mode)
     if preload:
         n = plan.hi_slots if preload == "hi" else plan.lo_slots
-        with tqdm(total=n, desc=f"placing {preload} experts", unit="expert", disable=not progress, leave=False) as bar:
+        with tqdm(
+            total=n, desc=f"placing {preload} experts", unit="expert", disable=not progress, leave=False
+        ) as bar:
             manager.preload(preload, progress=bar)
     if config.host_versions is not None:
         drop_host_versions(store, config.host_versions, mode, plan, lo)
     return manager
 
 
-def drop_host_versions(store: HostExpertStore, keep: tuple[str, ...], mode: str, plan: MemoryPlan, lo: str) -> None:
+def drop_host_versions(
+    store: HostExpertStore, keep: tuple[str, ...], mode: str, plan: MemoryPlan, lo: str
+) -> None:
     """Free the host copies the user does not want kept, where the device holds them for good."""
     every = store.num_layers * store.num_experts
     device_holds = {
@@ -167,5 +194,13 @@ def drop_host_versions(store: HostExpertStore, keep: tuple[str, ...], mode: str,
         )
 
 
-__all__ = ["build_residency", "ResidencyManager", "ResidencyOptions", "BudgetTracker", "MemoryPlan",
-           "ExpertMetrics", "DirectResidency", "POLICY_MODES"]
+__all__ = [
+    "POLICY_MODES",
+    "BudgetTracker",
+    "DirectResidency",
+    "ExpertMetrics",
+    "MemoryPlan",
+    "ResidencyManager",
+    "ResidencyOptions",
+    "build_residency",
+]

@@ -76,7 +76,9 @@ class ResidencyManager:
             "hi": SlotPool("hi", plan.hi_slots, plan.hi_slot_bytes, device),
             "lo": SlotPool("lo", plan.lo_slots, plan.lo_slot_bytes, device),
         }
-        self.handles = [[ExpertHandle(l, e) for e in range(store.num_experts)] for l in range(store.num_layers)]
+        self.handles = [
+            [ExpertHandle(l, e) for e in range(store.num_experts)] for l in range(store.num_layers)
+        ]
         self._lru = {"hi": OrderedDict(), "lo": OrderedDict()}  # (layer, expert) -> None, oldest first
         self._pending_free: deque = deque()  # (pool, slot, handle, event) waiting for their readers
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -190,7 +192,9 @@ class ResidencyManager:
                 p.give(slot)
                 return None
             if may_evict:
-                victim = self._victim(pool, protect_all=True) or (self._victim(pool, protect_all=False) if may_wait else None)
+                victim = self._victim(pool, protect_all=True) or (
+                    self._victim(pool, protect_all=False) if may_wait else None
+                )
                 if victim is None and may_wait:
                     victim = self._finish_oldest_copy(pool)
                 if victim is not None:
@@ -282,7 +286,9 @@ class ResidencyManager:
         self._lru[pool].move_to_end((handle.layer, handle.expert))
 
     # -- the forward pass's side --------------------------------------------------------------------------
-    def acquire(self, layer: int, experts: list[int], device: torch.device) -> tuple[dict[int, DeviceVersion], list[int]]:
+    def acquire(
+        self, layer: int, experts: list[int], device: torch.device
+    ) -> tuple[dict[int, DeviceVersion], list[int]]:
         """Make `experts` of `layer` usable. Returns `(resolved {e: version}, not yet resolved)`;
         the second list is non-empty only when the pools cannot hold all of them at once (the caller
         computes what it got, releases it, and asks again)."""
@@ -318,7 +324,9 @@ class ResidencyManager:
         counters.used += len(resolved)
         self.metrics.peak_device_bytes = max(self.metrics.peak_device_bytes, self.budget.peak_bytes)
         if not resolved and remaining:
-            raise BudgetError(f"no expert slot can be freed for layer {layer}: the memory budget is too small")
+            raise BudgetError(
+                f"no expert slot can be freed for layer {layer}: the memory budget is too small"
+            )
         return resolved, remaining
 
     def _usable(self, h: ExpertHandle, demand_pool: str, counters) -> DeviceVersion | None:
@@ -376,12 +384,21 @@ class ResidencyManager:
             version.published = True
         self.metrics.reset()
         E = self.store.num_experts
-        in_order = all(v.slot == h.layer * E + h.expert for row in self.handles for h in row for v in h.versions.values())
+        in_order = all(
+            v.slot == h.layer * E + h.expert for row in self.handles for h in row for v in h.versions.values()
+        )
         complete = len(issued) == self.store.num_layers * E
         self._static_lo = self.options.mode == "all-lo" and pool == "lo" and in_order and complete
-        self._static_hi = self.options.mode == "all-hi" and all(
-            h.versions["hi"].slot == h.layer * E + h.expert for row in self.handles for h in row if "hi" in h.versions
-        ) and len(issued) == self.store.num_layers * E
+        self._static_hi = (
+            self.options.mode == "all-hi"
+            and all(
+                h.versions["hi"].slot == h.layer * E + h.expert
+                for row in self.handles
+                for h in row
+                if "hi" in h.versions
+            )
+            and len(issued) == self.store.num_layers * E
+        )
 
     def hi_pool_groups(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The hi pool as grouped weights `gate_up (S, 2I, H)`, `down (S, H, I)`, one group per slot."""
@@ -411,7 +428,11 @@ class ResidencyManager:
         slot layer*E + e for good (static-int4/int2)."""
         if not self._static_lo:
             return None
-        return layer * self.store.num_experts, self.pools["lo"].arena, self.store.meta[self.options.lo_precision]
+        return (
+            layer * self.store.num_experts,
+            self.pools["lo"].arena,
+            self.store.meta[self.options.lo_precision],
+        )
 
     def settle(self) -> None:
         """Apply every queued request now, without the rate limit, and wait for all copies (for

@@ -50,7 +50,9 @@ class DirectResidency:
     def begin_iteration(self, iteration: int) -> None:
         pass
 
-    def acquire(self, layer: int, experts: list[int], device: torch.device) -> tuple[dict[int, ResolvedExpert], list]:
+    def acquire(
+        self, layer: int, experts: list[int], device: torch.device
+    ) -> tuple[dict[int, ResolvedExpert], list]:
         counters = self.metrics.layers[layer]
         counters.used += len(experts)
         resolved = {}

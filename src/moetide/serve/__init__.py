@@ -9,6 +9,7 @@ def create_app(*args, **kwargs):
 
     return _create_app(*args, **kwargs)
 
+
 __all__ = [
     "AsyncEngine",
     "EngineStoppedError",

@@ -51,7 +51,9 @@ def hi_group_views(arena: torch.Tensor, shape: ExpertShape) -> tuple[torch.Tenso
     typed = arena.view(shape.dtype)
     split = 2 * shape.intermediate * shape.hidden
     gate_up = typed[:, :split].view(arena.shape[0], 2 * shape.intermediate, shape.hidden)
-    down = typed[:, split : split + shape.hidden * shape.intermediate].view(arena.shape[0], shape.hidden, shape.intermediate)
+    down = typed[:, split : split + shape.hidden * shape.intermediate].view(
+        arena.shape[0], shape.hidden, shape.intermediate
+    )
     return gate_up, down
 
 
@@ -109,7 +111,9 @@ class HostExpertStore:
     def put_projection(self, layer: int, expert: int, role: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor (gate (I,H), up (I,H) or down (H,I)) into the hi version."""
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise CheckpointError(f"expert tensor for layer {layer} expert {expert} is outside the model's shape")
+            raise CheckpointError(
+                f"expert tensor for layer {layer} expert {expert} is outside the model's shape"
+            )
         v = self.views(layer, expert, "hi")
         inter = self.shape.intermediate
         target = {"gate": v["gate_up"][:inter], "up": v["gate_up"][inter:], "down": v["down"]}[role]
@@ -157,7 +161,9 @@ class HostExpertStore:
         """Adopt a prepared arena (from the on-disk cache) for `precision`."""
         target = self._allocate(precision, meta, arena.shape[1])
         if tuple(arena.shape) != tuple(target.shape):
-            raise CheckpointError(f"prepared {precision} cache has shape {tuple(arena.shape)}, expected {tuple(target.shape)}")
+            raise CheckpointError(
+                f"prepared {precision} cache has shape {tuple(arena.shape)}, expected {tuple(target.shape)}"
+            )
         target.copy_(arena)
 
     def drop_precision(self, precision: str) -> None:

@@ -41,7 +41,9 @@ def cache_key(checkpoint: Path, precision: str, dtype: torch.dtype) -> str:
     for shard in sorted(checkpoint.glob("*.safetensors")):
         st = shard.stat()
         h.update(f"{shard.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    h.update(f"{precision}:{_DTYPE_NAMES[dtype]}:{quant.DEFAULT_QUANT_METHOD}:{dict(quant.DEFAULT_GROUP_SIZE)}".encode())
+    h.update(
+        f"{precision}:{_DTYPE_NAMES[dtype]}:{quant.DEFAULT_QUANT_METHOD}:{dict(quant.DEFAULT_GROUP_SIZE)}".encode()
+    )
     h.update(f"v{FORMAT_VERSION}".encode())
     return h.hexdigest()[:20]
 
@@ -95,40 +97,67 @@ def load_cached(store: HostExpertStore, path: Path, precision: str) -> bool:
     return True
 
 
-def ensure_precision(store: HostExpertStore, checkpoint: Path, precision: str, *, progress: bool = True,
-                     cache_dir: Path | None = None, write_cache: bool = True) -> Path | None:
+def ensure_precision(
+    store: HostExpertStore,
+    checkpoint: Path,
+    precision: str,
+    *,
+    progress: bool = True,
+    cache_dir: Path | None = None,
+    write_cache: bool = True,
+) -> Path | None:
     """Give `store` a `precision` version: from the disk cache, else by quantizing (and caching)."""
     path = cache_file(checkpoint, precision, store.shape.dtype, cache_dir)
     if load_cached(store, path, precision):
         return path
     total = store.num_layers * store.num_experts
-    with tqdm(total=total, desc=f"quantizing experts to {precision}", unit="expert", disable=not progress,
-              leave=False) as bar:
+    with tqdm(
+        total=total,
+        desc=f"quantizing experts to {precision}",
+        unit="expert",
+        disable=not progress,
+        leave=False,
+    ) as bar:
         store.add_precision(precision, progress=bar, device="cuda" if torch.cuda.is_available() else None)
     if not write_cache:
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        save_file({"arena": store.versions[precision]}, str(tmp), metadata=_meta_record(store.meta[precision]))
+        save_file(
+            {"arena": store.versions[precision]}, str(tmp), metadata=_meta_record(store.meta[precision])
+        )
         tmp.replace(path)
     except OSError:
         return None  # read-only location: the versions still live in memory for this run
     return path
 
 
-def prepare(model_path: str, precisions: list[str], *, cache_dir: str | None = None, dtype: str = "bfloat16",
-            progress: bool = True) -> list[Path]:
+def prepare(
+    model_path: str,
+    precisions: list[str],
+    *,
+    cache_dir: str | None = None,
+    dtype: str = "bfloat16",
+    progress: bool = True,
+) -> list[Path]:
     """Read the checkpoint's experts into a host store and write each lo precision's cache."""
     from ..models.loader import load_model
 
     loaded = load_model(model_path, device="cpu", dtype=dtype, progress=progress)
     written = []
     for precision in precisions:
-        path = ensure_precision(loaded.store, loaded.info.path, precision, progress=progress,
-                                cache_dir=Path(cache_dir) if cache_dir else None)
+        path = ensure_precision(
+            loaded.store,
+            loaded.info.path,
+            precision,
+            progress=progress,
+            cache_dir=Path(cache_dir) if cache_dir else None,
+        )
         if path is None:
-            raise CheckpointError(f"cannot write the prepared cache next to {loaded.info.path}; pass --cache-dir")
+            raise CheckpointError(
+                f"cannot write the prepared cache next to {loaded.info.path}; pass --cache-dir"
+            )
         written.append(path)
     return written
 
@@ -138,8 +167,12 @@ def register_cli(subparsers) -> None:
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--lo", default="int4,int2", help="comma-separated lo precisions (int4, int2)")
     p.add_argument("--cache-dir", default=None, help="where to write (default: <model>/.moetide-cache)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="storage dtype the versions are quantized from (bfloat16 = what CUDA runs)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="storage dtype the versions are quantized from (bfloat16 = what CUDA runs)",
+    )
     p.set_defaults(func=_cmd_prepare)
 
 
