@@ -9,7 +9,7 @@ Shapes: T tokens, H hidden, I expert intermediate, k experts per token, n distin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,22 +44,6 @@ def combine_experts(
         y = run_expert(e, hidden[token_idx]) * top_k_weights[token_idx, k_pos, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
-
-
-def combine_with_weights(
-    hidden: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    weights: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-    act_fn: ActFn,
-) -> torch.Tensor:
-    """`combine_experts` with resident bf16/fp32 weights `{e: (gate_up, down)}`: `(T, H)`."""
-
-    def run(e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = weights[e]
-        return expert_mlp(x, gate_up, down, act_fn)
-
-    return combine_experts(hidden, top_k_index, top_k_weights, run, sorted(weights))
 
 
 def grouped_moe(
