@@ -158,8 +158,6 @@ class ResidencyManager:
         gate = version.last_read if version.published else version.ready
         self._pending_free.append((pool, version.slot, handle, gate))
         self.metrics.bump("evictions")
-        if pool == "hi" and handle.target == "lo" and handle.published("lo") is not None:
-            self.metrics.bump("demotions")
 
     def _victim(self, pool: str, *, protect_all: bool) -> ExpertHandle | None:
         """Least recently used evictable version in `pool` (published, not in use, not protected when
@@ -279,6 +277,7 @@ class ResidencyManager:
             elif target == "lo" and "hi" in h.versions and h.published("lo") is not None and not h.in_use:
                 if self._publish_if_ready(h.versions["hi"]):  # a hi copy still in flight is left to land
                     self._evict(h, "hi")
+                    self.metrics.bump("demotions")  # the precision policy's demotions, not cache evictions
 
     def _touch(self, handle: ExpertHandle, pool: str) -> None:
         self._tick += 1
