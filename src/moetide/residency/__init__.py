@@ -114,19 +114,12 @@ def build_residency(
             return DirectResidency(store, metrics)  # host memory is device memory: nothing to move
         budget_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9) if device.type == "cuda" else 1 << 62
     hi_bytes = store.bytes_per_expert("hi")
+    fixed = fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes)
+    room = budget_bytes - fixed.total  # what the expert pools may use
     if config.gpu_memory_bytes is None and mode in ("hi-cache", "lo+hi"):
-        room = (
-            budget_bytes
-            - fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes).total
-        )
         if store.num_layers * store.num_experts * hi_bytes <= room:
             mode, needs_lo = "all-hi", False  # no cap given and the whole model fits: nothing to offload
-    lo = lo_precision_for(
-        config,
-        store,
-        budget_bytes
-        - fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes).total,
-    )
+    lo = lo_precision_for(config, store, room)
     hi_precision = config.hi_precision if mode == "lo+hi" else "hi"
     if hi_precision != "hi":
         lo = "int2"
@@ -137,7 +130,6 @@ def build_residency(
     if hi_precision not in store.versions:
         ensure_precision(store, config.model_path, hi_precision, progress=progress)
     lo_bytes = store.bytes_per_expert(lo) if lo in store.versions else 0
-    fixed = fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes)
     top_k = getattr(model_config, "num_experts_per_tok", 1)
     plan = plan_memory(
         budget_bytes,

@@ -8,7 +8,7 @@ CPU, where host and device memory are the same, the store's buffers are used in 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -20,22 +20,13 @@ from .metrics import ExpertMetrics
 class ResolvedExpert:
     """What a handle resolves to: a complete, usable version of one expert.
 
-    `views` holds typed tensors on the compute device: hi -> gate_up (2I, H), down (H, I);
-    lo -> packed tensors described by `meta`.
+    Direct residency only ever resolves hi versions: `views` = gate_up (2I, H), down (H, I) on the
+    compute device (lo versions live in the residency core's `DeviceVersion`).
     """
 
     precision: str
     views: dict[str, torch.Tensor]
     meta: object = None
-    _dtype: torch.dtype | None = field(default=None, repr=False)
-
-    def forward(self, x: torch.Tensor, act_fn) -> torch.Tensor:
-        """Expert output `(t, H)` from a lo version (dequantize, then the same MLP)."""
-        from ..compute.expert_compute import expert_mlp
-        from ..store import quant
-
-        gate_up, down = quant.dequantize(self.views, self.meta, x.dtype)
-        return expert_mlp(x, gate_up, down, act_fn)
 
 
 class DirectResidency:

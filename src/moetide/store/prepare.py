@@ -9,7 +9,6 @@ precision and the quantization settings, so any change to the checkpoint invalid
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -184,8 +183,3 @@ def _cmd_prepare(args) -> int:
     for path in prepare(args.model, precisions, cache_dir=args.cache_dir, dtype=args.dtype):
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
-
-
-def cached_summary(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(json.dumps(f.metadata()))
