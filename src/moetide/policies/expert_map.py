@@ -19,6 +19,7 @@ import json
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 _EPS = 1e-12
@@ -32,11 +33,13 @@ def select_by_cumulative_probability(probs: torch.Tensor, delta: float, top_k: i
     With delta = clip(1 - score, 0, 1): a confident match (score ~ 1) gives ~top_k experts, a poor one
     hedges with more.
     """
-    probs = probs.detach().float().reshape(-1)
-    J = probs.shape[0]
-    order = torch.sort(probs, descending=True, stable=True).indices
-    cumulative = torch.cumsum(probs[order], 0)
-    count = int((cumulative <= delta).sum()) + 1  # first prefix whose mass exceeds delta
+    # numpy, not torch: this runs on the searcher thread per layer and per step, and numpy's per-call
+    # overhead on a (J,) vector is a fraction of torch's (less time holding the GIL, docs/policies.md)
+    p = probs.detach().float().reshape(-1).cpu().numpy()
+    J = p.shape[0]
+    order = np.argsort(-p, kind="stable")  # descending, ties: lower id first
+    cumulative = np.cumsum(p[order])
+    count = int(np.count_nonzero(cumulative <= delta)) + 1  # first prefix whose mass exceeds delta
     count = max(min(count, J), min(top_k, J))
     return order[:count].tolist()
 
@@ -134,9 +137,13 @@ class ExpertMapStore:
     # -- searches -----------------------------------------------------------------------------------
     def semantic_scores(self, embedding: torch.Tensor) -> torch.Tensor:
         """cos(embedding, stored embeddings): (N,)."""
-        q = _normalize(embedding.detach().float().reshape(-1).cpu())
+        return torch.from_numpy(self._semantic_scores_np(embedding))
+
+    def _semantic_scores_np(self, embedding: torch.Tensor) -> np.ndarray:
+        q = embedding.detach().float().reshape(-1).cpu().numpy()
+        q = q / max(float(np.linalg.norm(q)), _EPS)
         with self._lock:
-            return self._unit_embeddings[: self._size] @ q
+            return self._unit_embeddings.numpy()[: self._size] @ q
 
     def trajectory_scores(self, prefix: torch.Tensor) -> torch.Tensor:
         """cos(observed P_1..l, stored P_1..l): (N,). `prefix`: (l, J), 1 <= l <= L."""
@@ -144,19 +151,25 @@ class ExpertMapStore:
         l = p.shape[0]
         if not 1 <= l <= self.num_layers or p.shape[1] != self.num_experts:
             raise ValueError(f"prefix must be (l, {self.num_experts}) with 1 <= l <= {self.num_layers}")
-        q = p.reshape(-1)
+        return torch.from_numpy(self._trajectory_scores_np(p))
+
+    def _trajectory_scores_np(self, prefix: torch.Tensor) -> np.ndarray:
+        """numpy body of `trajectory_scores` (a strided matrix-vector product over the stored prefixes)."""
+        q = prefix.numpy().reshape(-1)
+        l = prefix.shape[0]
         with self._lock:
             n = self._size
-            dots = self._maps[:n, : l * self.num_experts] @ q
-            return dots / (self._prefix_norms[:n, l - 1] * q.norm()).clamp_min(_EPS)
+            dots = self._maps.numpy()[:n, : l * self.num_experts] @ q
+            norms = self._prefix_norms.numpy()[:n, l - 1] * float(np.linalg.norm(q))
+            return dots / np.maximum(norms, _EPS)
 
     def semantic_search(self, embedding: torch.Tensor) -> tuple[float, int] | None:
         """(best cosine score, row) or None when the store is empty."""
         with self._lock:
             if self._size == 0:
                 return None
-            scores = self.semantic_scores(embedding)
-        row = int(torch.argmax(scores))
+            scores = self._semantic_scores_np(embedding)
+        row = int(np.argmax(scores))
         return float(scores[row]), row
 
     def trajectory_search(self, prefix: torch.Tensor) -> tuple[float, int] | None:
@@ -164,8 +177,8 @@ class ExpertMapStore:
         with self._lock:
             if self._size == 0:
                 return None
-            scores = self.trajectory_scores(prefix)
-        row = int(torch.argmax(scores))
+            scores = self.trajectory_scores(prefix).numpy()
+        row = int(np.argmax(scores))
         return float(scores[row]), row
 
     def map(self, row: int) -> torch.Tensor:

@@ -14,7 +14,36 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import ExpertPolicy
+from .base import Deferred, ExpertPolicy
+
+
+def _on_stream(tensor: torch.Tensor, fn):
+    """`fn` to run later, on any thread, on the CUDA stream that was current when `tensor` was made
+    (so its kernels queue after the ones that produced `tensor`)."""
+    if not tensor.is_cuda:
+        return fn
+    stream = torch.cuda.current_stream(tensor.device)
+
+    def on_stream():
+        with torch.cuda.stream(stream):
+            return fn()
+
+    return on_stream
+
+
+def _pooled(h: torch.Tensor) -> torch.Tensor:
+    """(T, H) -> (H,) float32 on the host."""
+    return h.float().mean(dim=0).cpu()
+
+
+def _mean_gate_probs(logits: torch.Tensor) -> torch.Tensor:
+    """(..., J) router logits -> (J,) float32 mean softmax on the host."""
+    return torch.softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0).cpu()
+
+
+def _host_ids(ids: torch.Tensor) -> torch.Tensor:
+    """(..., k) expert ids -> (T, k) on the host."""
+    return ids.reshape(-1, ids.shape[-1]).cpu()
 
 
 class NullSink:
@@ -45,6 +74,10 @@ class PolicyHooks:
     `self.request_ids`), each router hook `observe_layer` (mean softmax of the logits in fp32, top-k
     ids) and, for policies that ask, `observe_speculative` (router l+d applied to router l's input),
     and the decoder-stack hook `end_iteration`. Policies are attached to `sink` (a `NullSink` if none).
+
+    Policies with `accepts_deferred` get `Deferred` observations: the forward thread launches nothing
+    and never syncs for them (the reductions and host copies run when the policy resolves them). The
+    others get host tensors, computed once per layer and shared.
     """
 
     def __init__(self, hf_model, adapter, policies: Sequence[ExpertPolicy], sink=None):
@@ -62,6 +95,7 @@ class PolicyHooks:
         sink = sink if sink is not None else NullSink()
         for p in self.policies:
             p.attach(sink, len(self.routers), num_experts, top_k)
+        self._lazy = [bool(getattr(p, "accepts_deferred", False)) for p in self.policies]
         self._distances = sorted({d for p in self.policies for d in getattr(p, "speculative_distances", ())})
         self._speculating = False
         self._handles = [hf_model.get_input_embeddings().register_forward_hook(self._on_embedding)]
@@ -73,19 +107,25 @@ class PolicyHooks:
     def _on_embedding(self, module, inputs, output) -> None:
         self.iteration += 1
         h = output.detach().reshape(-1, output.shape[-1])
-        pooled = h.float().mean(dim=0).cpu()
-        for p in self.policies:
-            p.begin_iteration(self.iteration, pooled, h.shape[0], request_ids=self.request_ids)
+        pooled = Deferred(_on_stream(h, lambda: _pooled(h)), source=h)
+        for p, lazy in zip(self.policies, self._lazy):
+            p.begin_iteration(
+                self.iteration, pooled if lazy else pooled.get(), h.shape[0], request_ids=self.request_ids
+            )
 
     def _router_hook(self, ordinal: int):
         def hook(module, inputs, output) -> None:
             if self._speculating:
                 return
             logits, _, top_k_index = output
-            probs = torch.softmax(logits.detach().float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0).cpu()
-            ids = top_k_index.detach().reshape(-1, top_k_index.shape[-1]).cpu()
-            for p in self.policies:
-                p.observe_layer(self.iteration, ordinal, probs, ids)
+            logits, top_k_index = logits.detach(), top_k_index.detach()
+            probs = Deferred(_on_stream(logits, lambda: _mean_gate_probs(logits)), source=logits)
+            ids = Deferred(_on_stream(top_k_index, lambda: _host_ids(top_k_index)), source=top_k_index)
+            for p, lazy in zip(self.policies, self._lazy):
+                if lazy:
+                    p.observe_layer(self.iteration, ordinal, probs, ids)
+                else:
+                    p.observe_layer(self.iteration, ordinal, probs.get(), ids.get())
             if not self._distances:
                 return
             hidden = inputs[0].detach()
