@@ -5,6 +5,11 @@ transformers + accelerate offload at the same cap, all in one run.
 
     python scripts/bench_offload.py --out results/offload_olmoe.json [--shape olmoe-1b-7b] [--budget 4GiB]
 
+`--lo-kernel dequant,triton` runs every policy that computes lo versions (static-int4/int2, dynaexq,
+combined) once per lo kernel, so one call A/B's the decode speed of the two lo paths, e.g.
+
+    python scripts/bench_offload.py --skip-hf --policies static-int2 --lo-kernel dequant,triton --out lo.json
+
 Random routers route near-uniformly (the hardest case for any predictor); this run measures the
 residency core, transfer and compute costs, not prediction quality.
 """
@@ -22,6 +27,8 @@ import torch
 
 from moetide.bench.decode import bench_hf, bench_moetide
 from moetide.bench.synthetic import write_synthetic_checkpoint
+from moetide.config import LO_KERNELS
+from moetide.residency import POLICY_MODES
 
 
 def main() -> int:
@@ -36,9 +43,17 @@ def main() -> int:
         default="no-offload,static-int4,static-int2,on-demand,lru,finemoe,combined:lo",
         help="comma-separated; POLICY:lo / POLICY:stall sets --on-miss for that run",
     )
+    ap.add_argument(
+        "--lo-kernel",
+        default="dequant",
+        help=f"comma-separated, of {', '.join(LO_KERNELS)}: policies with lo versions run once per kernel",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    lo_kernels = [k for k in args.lo_kernel.split(",") if k]
+    if not lo_kernels or any(k not in LO_KERNELS for k in lo_kernels):
+        ap.error(f"--lo-kernel takes a comma-separated list of {', '.join(LO_KERNELS)}")
 
     ckpt = Path(args.checkpoint) / args.shape
     t0 = time.perf_counter()
@@ -64,8 +79,11 @@ def main() -> int:
         results["runs"].append(r)
         out.write_text(json.dumps(results, indent=2))
         tok_s = r.get("decode_tok_s")
+        label = r.get("policy", r.get("experts_implementation", "")) or ""
+        if r.get("lo_kernel"):
+            label += f" [{r['lo_kernel']}]"
         print(
-            f"{r['engine']:10s} {r.get('policy', r.get('experts_implementation', '')):14s} "
+            f"{r['engine']:10s} {label:24s} "
             f"{r.get('gpu_memory')!s:6s} decode {tok_s or 0:8.2f} tok/s  peak {r['peak_gpu_bytes'] / 2**30:6.2f} GiB"
             f"  load {r['load_s']:6.1f}s",
             flush=True,
@@ -80,16 +98,22 @@ def main() -> int:
     for spec in args.policies.split(","):
         policy, _, on_miss = spec.partition(":")
         budget = None if policy == "no-offload" else args.budget
-        try:
-            kwargs = {"on_miss": on_miss} if on_miss else {}  # else the engine's default (lo)
-            r = bench_moetide(ckpt, policy, budget, new_tokens=args.new_tokens, **kwargs)
-            r["on_miss"] = on_miss or "default (lo)"
-            record(r)
-        except Exception as e:
-            print(f"moetide {policy}: {type(e).__name__}: {e}", flush=True)
-            results["runs"].append(
-                {"engine": "moetide", "policy": policy, "gpu_memory": budget, "error": str(e)}
-            )
+        has_lo = POLICY_MODES.get(policy, (None, False))[1]
+        for lo_kernel in lo_kernels if has_lo else ["dequant"]:  # the kernel only matters for lo versions
+            try:
+                kwargs = {"on_miss": on_miss} if on_miss else {}  # else the engine's default (lo)
+                r = bench_moetide(
+                    ckpt, policy, budget, new_tokens=args.new_tokens, lo_kernel=lo_kernel, **kwargs
+                )
+                r["on_miss"] = on_miss or "default (lo)"
+                r["lo_kernel"] = lo_kernel
+                record(r)
+            except Exception as e:
+                print(f"moetide {policy} [{lo_kernel}]: {type(e).__name__}: {e}", flush=True)
+                results["runs"].append(
+                    {"engine": "moetide", "policy": policy, "gpu_memory": budget, "lo_kernel": lo_kernel,
+                     "error": str(e)}
+                )  # fmt: skip
     if not args.skip_hf:
         try:
             record(bench_hf(ckpt, offload_budget=args.budget, new_tokens=args.hf_offload_tokens))

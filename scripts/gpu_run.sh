@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: install carried wheels, run the GPU tests, then the benchmarks named in $@.
 # Usage (device tool, carry .whl): bash scripts/gpu_run.sh tests offload server searcher bs32 eval
+# lo kernel A/B (issue 4): bash scripts/gpu_run.sh lotests lolayer lodecode
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -15,8 +16,12 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
     tests)    timeout 75 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_parity.py tests/test_gpu.py tests/test_quant.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+    lotests)  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_lowbit_triton.py tests/test_gpu.py -k "grouped or lo_kernel" 2>&1 | tail -15 | tee "$OUT/gpu_lo_tests.log" ;;
     gpupeak)  timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k peak 2>&1 | tail -3 | tee "$OUT/gpu_peak.log" ;;
     lowbit)   timeout 60 python3 scripts/bench_lowbit.py "$OUT/bench_lowbit.json" --sweep 2>&1 | tail -30 ;;
+    lolayer)  timeout 300 python3 scripts/bench_lowbit.py "$OUT/bench_lowbit_layer.json" --skip-expert --sweep 2>&1 | tail -45 ;;
+    lodecode) timeout 300 python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo_kernel.json" \
+                --policies static-int2,combined --lo-kernel dequant,triton 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     offload)  timeout 200 python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" \
                 --policies no-offload,static-int2,on-demand,combined 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     offload2) timeout 90 python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo.json" \

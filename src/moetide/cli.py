@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from .config import POLICIES, EngineConfig, format_bytes, parse_bytes
+from .config import LO_KERNELS, POLICIES, EngineConfig, format_bytes, parse_bytes
 from .errors import MoetideError
 
 
@@ -55,6 +55,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         help="expert versions to keep in host memory, e.g. 'lo' or 'hi,lo' (default: all); a version"
         " can be dropped only where the device holds it for every expert",
     )
+    p.add_argument(
+        "--lo-kernel",
+        default="dequant",
+        choices=LO_KERNELS,
+        help="lo experts at decode: dequantize + bf16 matmul, or the fused Triton kernel (CUDA)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -77,6 +83,7 @@ def engine_config_from_args(args) -> EngineConfig:
         host_versions=None
         if args.host_versions is None
         else tuple(v for v in args.host_versions.split(",") if v),
+        lo_kernel=args.lo_kernel,
     )
 
 

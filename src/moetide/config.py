@@ -38,6 +38,7 @@ POLICIES = (
     "no-offload",
 )
 PRECISIONS = ("hi", "int4", "int2")
+LO_KERNELS = ("dequant", "triton")
 
 
 def parse_bytes(text: str | float | None) -> int | None:
@@ -85,6 +86,9 @@ class EngineConfig:
             "int4" (a three-tier setup: hot experts int4, the rest in `lo_precision`, int2).
         host_versions: expert versions kept in host memory after start-up ("hi", "lo"); None = all.
             A version can be dropped only where the device holds it for every expert for good.
+        lo_kernel: how lo versions in the device's lo pool are computed at decode batch sizes:
+            "dequant" (dequantize to the compute dtype, then a bf16 matmul; any device) or "triton"
+            (a grouped fused low-bit kernel over the packed rows; needs CUDA and triton).
     """
 
     model: str
@@ -101,6 +105,7 @@ class EngineConfig:
     seed: int = 0
     hi_precision: str = "hi"
     host_versions: tuple[str, ...] | None = None
+    lo_kernel: str = "dequant"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -126,6 +131,8 @@ class EngineConfig:
             )
         if self.hi_precision == "int4" and self.lo_precision == "int4":
             raise ConfigError("with int4 hot experts the lo precision must be int2")
+        if self.lo_kernel not in LO_KERNELS:
+            raise ConfigError(f"--lo-kernel must be one of {', '.join(LO_KERNELS)}, got {self.lo_kernel!r}")
         if self.host_versions is not None:
             bad = [v for v in self.host_versions if v not in ("hi", "lo")]
             if bad:

@@ -14,11 +14,32 @@ A forward hook on the embedding layer starts each iteration; policies observe th
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..config import LO_KERNELS
+from ..errors import ConfigError
 from ..residency.metrics import ExpertMetrics
 from .expert_compute import ActFn, gathered_pairs, grouped_moe, grouped_pairs
+
+
+def check_lo_kernel(kind: str, device: torch.device) -> None:
+    """ConfigError unless `kind` runs on `device`: "triton" needs the triton package and a CUDA device
+    (or, for tests on CPU, Triton's interpreter: TRITON_INTERPRET=1)."""
+    if kind not in LO_KERNELS:
+        raise ConfigError(f"lo kernel must be one of {', '.join(LO_KERNELS)}, got {kind!r}")
+    if kind != "triton":
+        return
+    if importlib.util.find_spec("triton") is None:
+        raise ConfigError(
+            "--lo-kernel triton needs the triton package; install it or use --lo-kernel dequant"
+        )
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"--lo-kernel triton needs a CUDA device, got {device}; use --lo-kernel dequant")
 
 
 class ExpertRuntime:
@@ -31,6 +52,27 @@ class ExpertRuntime:
         self.num_experts = num_experts
         self.top_k = top_k
         self.iteration = 0
+        self.lowbit_kernel = None  # the grouped Triton module when lo_kernel is "triton"
+
+    def set_lo_kernel(self, kind: str, device: torch.device) -> None:
+        """How lo experts in the lo pool are computed: "dequant" (batched dequantize + bf16 matmul,
+        any device) or "triton" (`lowbit_triton`: packed rows straight into a fused kernel, CUDA)."""
+        check_lo_kernel(kind, device)
+        if kind == "dequant":
+            self.lowbit_kernel = None
+            return
+        probe = torch.linspace(-4, 4, 9)
+        if not torch.allclose(self.act_fn(probe), F.silu(probe)):
+            raise ConfigError("--lo-kernel triton computes SiLU-gated experts only; use --lo-kernel dequant")
+        from . import lowbit_triton
+
+        lo_rows = self.residency.lo_pool_rows() if self.residency is not None else None
+        if lo_rows is not None:
+            try:
+                lowbit_triton.check_layout(lo_rows[1])
+            except ValueError as e:
+                raise ConfigError(f"--lo-kernel triton: {e}; use --lo-kernel dequant") from None
+        self.lowbit_kernel = lowbit_triton
 
     def on_embedding(self, embeds: torch.Tensor) -> None:
         """Embedding-layer output starts a new iteration (policies observe through `PolicyHooks`)."""
@@ -59,6 +101,12 @@ class ExpertRuntime:
                 self.act_fn,
             )
         static_lo = self.residency.static_lo_rows(layer)
+        if static_lo is not None and self._lowbit_fits(hidden):  # fused kernel: no host sync
+            base, arena, meta = static_lo
+            pair_slot, pair_index = self.lowbit_kernel.topk_pairs(top_k_index)
+            return self.lowbit_kernel.grouped_lowbit_moe(
+                hidden, top_k_weights, pair_slot, pair_index, arena, meta, slot_base=base
+            )
         if static_lo is not None and top_k_index.numel() <= self.top_k:  # one token: no host sync
             base, arena, meta = static_lo
             return self._pairs_from_rows(hidden, top_k_index, top_k_weights, arena, base, meta)
@@ -77,8 +125,10 @@ class ExpertRuntime:
         return out
 
     def _compute(self, hidden, top_k_index, ids_cpu, top_k_weights, resolved) -> torch.Tensor:
-        """hi versions: one grouped matmul over the hi pool's slots. lo versions: dequantized, at
-        most `top_k` at a time (the dequant scratch of the budget), each chunk one grouped matmul."""
+        """hi versions: one grouped matmul over the hi pool's slots. lo versions: with lo_kernel
+        "triton", those in the lo pool in one grouped fused pass over their packed rows; the rest
+        dequantized, at most `top_k` at a time (the dequant scratch of the budget), each chunk one
+        grouped matmul."""
         pool_groups = self.residency.hi_pool_groups()
         if pool_groups is None:  # no pool to group over (direct residency on a GPU): the chunked path
             hi, lo = {}, sorted(resolved)
@@ -89,6 +139,11 @@ class ExpertRuntime:
         if hi:
             self._grouped_into(out, hidden, ids_cpu, top_k_weights, hi, *pool_groups)
         lo_rows = self.residency.lo_pool_rows() if lo else None
+        if lo_rows is not None and self._lowbit_fits(hidden):  # lo-pool versions: one fused pass
+            in_pool = {e: resolved[e].slot for e in lo if resolved[e].pool == "lo"}
+            if in_pool:
+                out += self._lowbit_pairs(hidden, ids_cpu, top_k_weights, in_pool, *lo_rows)
+            lo = [e for e in lo if e not in in_pool]
         for start in range(0, len(lo), self.top_k):
             chunk = lo[start : start + self.top_k]
             if lo_rows is not None and all(resolved[e].pool == "lo" for e in chunk):
@@ -113,6 +168,29 @@ class ExpertRuntime:
                 down_all,
             )
         return out
+
+    def _lowbit_fits(self, hidden: torch.Tensor) -> bool:
+        """Whether the grouped Triton kernel computes lo versions for `hidden (T, H)`: lo_kernel is
+        "triton" and T is a decode batch (prefill is compute-bound: dequantize + grouped matmul)."""
+        return self.lowbit_kernel is not None and hidden.shape[0] <= self.lowbit_kernel.MAX_TOKENS
+
+    def _lowbit_pairs(self, hidden, ids_cpu, top_k_weights, slot_of: dict[int, int], arena, meta):
+        """The pairs of the experts in `slot_of` (expert -> lo pool slot) through the grouped Triton
+        kernel: `(T, H)`. Pairs are selected and sorted by slot on the host, where the ids are."""
+        lookup = torch.full((self.num_experts,), -1, dtype=torch.long)
+        lookup[list(slot_of)] = torch.tensor(list(slot_of.values()), dtype=torch.long)
+        pair_slot = lookup[ids_cpu].reshape(-1)
+        keep = (pair_slot >= 0).nonzero().squeeze(1)
+        order = keep[torch.argsort(pair_slot[keep], stable=True)]
+        dev = hidden.device
+        return self.lowbit_kernel.grouped_lowbit_moe(
+            hidden,
+            top_k_weights,
+            pair_slot[order].to(dev, non_blocking=True),
+            order.to(dev, non_blocking=True),
+            arena,
+            meta,
+        )
 
     def _pairs_from_rows(self, hidden, top_k_index, top_k_weights, arena, base, meta) -> torch.Tensor:
         """Every (token, expert) pair dequantized from its lo row and run as a batched matmul:

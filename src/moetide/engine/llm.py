@@ -86,11 +86,13 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
 
 def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[LoadedModel, LLMEngine, object]:
     """Load the checkpoint and wire model, residency, runner and engine from one config."""
+    from ..compute.runtime import check_lo_kernel
     from ..residency import build_residency
 
     inspect_checkpoint(config.model_path)  # a bad path is reported before the tokenizer is looked for
     tokenizer = load_tokenizer(config.model_path)
     device = resolve_device(config.device)
+    check_lo_kernel(config.lo_kernel, device)  # before the weights load
     loaded = load_model(
         config.model_path,
         device=device,
@@ -100,6 +102,7 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
         ),
         progress=progress,
     )
+    loaded.runtime.set_lo_kernel(config.lo_kernel, device)
     attach_policy(config, loaded)
     model_len = getattr(loaded.config, "max_position_embeddings", None) or 4096
     max_model_len = min(config.max_model_len or model_len, model_len)
