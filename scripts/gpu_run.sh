@@ -16,19 +16,20 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case "$step" in
     tests)    timeout 75 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_parity.py tests/test_gpu.py tests/test_quant.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
-    lotests)  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_lowbit_triton.py tests/test_gpu.py -k "grouped or lo_kernel" 2>&1 | tail -15 | tee "$OUT/gpu_lo_tests.log" ;;
+    lotests)  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_lowbit_triton.py tests/test_gpu.py -k "grouped or lo_kernel" 2>&1 | tail -15 | tee "$OUT/gpu_lo_tests.log" ;;
     gpupeak)  timeout 40 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k peak 2>&1 | tail -3 | tee "$OUT/gpu_peak.log" ;;
     lowbit)   timeout 60 python3 scripts/bench_lowbit.py "$OUT/bench_lowbit.json" --sweep 2>&1 | tail -30 ;;
-    lolayer)  timeout 300 python3 scripts/bench_lowbit.py "$OUT/bench_lowbit_layer.json" --skip-expert --sweep 2>&1 | tail -45 ;;
-    lodecode) timeout 300 python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo_kernel.json" \
-                --policies static-int2,combined --lo-kernel dequant,triton 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
+    lolayer)  timeout 150 python3 scripts/bench_lowbit.py "$OUT/bench_lowbit_layer.json" --skip-expert --sweep 2>&1 | tail -45 ;;
+    lodecode) timeout 200 python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo_kernel.json" \
+                --policies no-offload,static-int2,combined --lo-kernel dequant,triton 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     offload)  timeout 200 python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" \
                 --policies no-offload,static-int2,on-demand,combined 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     offload2) timeout 90 python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo.json" \
                 --policies no-offload,static-int2 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
-    server)   timeout 80 python3 scripts/bench_server.py --concurrency 1 8 32 --requests-per-client 2 --output-len 64 \
-                --out "$OUT/server.json" -- --policy combined --gpu-memory 1GiB 2>&1 | grep -v "loading weights" | tail -12 ;;
-    searcher) timeout 80 python3 scripts/bench_searcher.py --warm 24 --prompts 4 --new-tokens 32 --out "$OUT/searcher.json" 2>&1 | tail -16 ;;
+    server)   timeout 130 python3 scripts/bench_server.py --concurrency 1 8 32 --requests-per-client 2 --output-len 64 \
+                --out "$OUT/server.json" -- --policy combined --gpu-memory 1GiB 2>&1 | grep -v "loading weights" | tail -12
+              pkill -f "moetide.cli serve" ; pkill -f "moetide serve" ; true ;;
+    searcher) timeout 70 python3 scripts/bench_searcher.py --warm 24 --prompts 4 --new-tokens 32 --out "$OUT/searcher.json" 2>&1 | tail -16 ;;
     bs32)     timeout 150 $MT bench --synthetic olmoe-1b-7b --policy combined,lru,on-demand --gpu-memory 4GiB \
                 --batch-size 32 --output-len 32 --max-input-len 128 --out "$OUT/bs32" 2>&1 | grep -v "Warn\|Loading" | tail -12 ;;
     eval)     timeout 60 $MT eval --max-convs 48 --out "$OUT/eval" 2>&1 | tail -16 ;;
