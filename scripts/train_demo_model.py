@@ -177,7 +177,10 @@ def load_tokenizer(path):
 
 
 def tokenize_conversations(tokenizer, convs, chunk=1000):
-    """Chat-templated token ids of all conversations, concatenated (each one starts with BOS)."""
+    """Chat-templated token ids of all conversations, concatenated (each one starts with BOS).
+
+    Returns (ids [N] int32, starts [C] int64): the packed stream and each conversation's first offset.
+    """
     import numpy as np
 
     backend = tokenizer.backend_tokenizer
@@ -188,10 +191,26 @@ def tokenize_conversations(tokenizer, convs, chunk=1000):
         ]
         enc = backend.encode_batch_fast(texts, add_special_tokens=False)
         parts.extend(np.asarray(e.ids, dtype=np.int32) for e in enc)
-    return np.concatenate(parts)
+    lengths = np.array([len(p) for p in parts], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return np.concatenate(parts), starts
 
 
 # ------------------------------------------------------------------------------------------ model
+def add_residual_dropout(model, p: float) -> None:
+    """Dropout (training mode only) on each decoder layer's attention and MoE outputs, before the residual add."""
+    import torch.nn.functional as F
+
+    def hook(module, inputs, output):
+        if isinstance(output, tuple):
+            return (F.dropout(output[0], p, module.training), *output[1:])
+        return F.dropout(output, p, module.training)
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(hook)
+        layer.mlp.register_forward_hook(hook)
+
+
 def make_config():
     from transformers import Qwen3MoeConfig
 
@@ -231,14 +250,17 @@ def stage_train(args, stats):
     tokenizer = load_tokenizer(args.out)
     train, counts = training_conversations(args.max_train_convs)
     t0 = time.time()
-    ids = tokenize_conversations(tokenizer, train)
+    ids, conv_starts = tokenize_conversations(tokenizer, train)
     log(f"[train] {len(train)} training conversations -> {len(ids):,} tokens ({time.time() - t0:.0f} s)")
 
     held = sg.heldout_conversations()
     quick = held[: args.quick_eval_convs]
 
     cfg = make_config()
+    cfg.attention_dropout = args.dropout
     model = Qwen3MoeForCausalLM(cfg).to(dev)
+    if args.dropout > 0:
+        add_residual_dropout(model, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"[train] Qwen3-MoE {n_params / 1e6:.2f} M parameters on {hardware(dev)}")
 
@@ -249,8 +271,16 @@ def stage_train(args, stats):
     ar = torch.arange(T + 1, device=dev)
     amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
 
+    starts = torch.from_numpy(conv_starts[conv_starts < N - T - 1]).to(dev)
+    n_aligned = int(round(args.aligned_frac * B))
+
     def get_batch():
+        """[B, T] inputs and targets: random windows of the packed stream, the first `n_aligned` of them
+        starting at a conversation's first token (where held-out evaluation starts)."""
         off = torch.randint(0, N - T - 1, (B,), device=dev, generator=gen)
+        if n_aligned:
+            pick = torch.randint(0, starts.numel(), (n_aligned,), device=dev, generator=gen)
+            off[:n_aligned] = starts[pick]
         w = data[off[:, None] + ar[None, :]]
         return w[:, :-1], w[:, 1:]
 
@@ -299,6 +329,9 @@ def stage_train(args, stats):
         fused=(dev.type == "cuda"),
     )
 
+    params = [p for p in model.parameters()]
+    ema = [p.detach().clone().float() for p in params] if args.ema else None
+
     def lr_at(step, progress):
         warm = min(1.0, (step + 1) / args.warmup_steps)
         cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
@@ -336,6 +369,8 @@ def stage_train(args, stats):
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if ema is not None:
+                torch._foreach_lerp_(ema, [p.detach().float() for p in params], 1.0 - args.ema)
             step += 1
             tokens += B * T
             acc_ce = ce if acc_ce is None else acc_ce + ce
@@ -377,6 +412,21 @@ def stage_train(args, stats):
         torch.cuda.synchronize()
     train_s = time.time() - t_train
     final_quick = quick_eval()
+    ema_quick = None
+    if ema is not None:
+        raw = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, ema):
+                p.copy_(e)
+        ema_quick = quick_eval()
+        log(f"[train] quick held-out: last weights {final_quick:.4f}, EMA({args.ema}) weights {ema_quick:.4f}")
+        if ema_quick < final_quick:
+            final_quick = ema_quick
+        else:
+            with torch.no_grad():
+                for p, r in zip(params, raw):
+                    p.copy_(r)
+        del raw
     curve.append(
         dict(step=step, tokens=tokens, seconds=round(train_s, 1), lr=0.0, heldout_quick=round(final_quick, 4))
     )
@@ -384,6 +434,7 @@ def stage_train(args, stats):
 
     # --- save in bf16 (inference config: router logits off), tied embeddings, <= 15 MB shards
     model.eval()
+    model.config.attention_dropout = 0.0
     model.config.output_router_logits = False
     model.config.use_cache = True
     eot, bos = tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(BOS)
@@ -405,6 +456,11 @@ def stage_train(args, stats):
         warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
+        dropout=args.dropout,
+        aligned_window_fraction=args.aligned_frac,
+        ema_decay=args.ema,
+        ema_quick_heldout=None if ema_quick is None else round(ema_quick, 4),
+        shipped_weights=("EMA" if ema_quick is not None and ema_quick <= final_quick else "last"),
         seed=args.seed,
         router_aux_loss_coef=cfg.router_aux_loss_coef,
         precision="bf16 autocast, fp32 master weights, AdamW(0.9, 0.95)",
@@ -516,6 +572,7 @@ def stage_eval(args, stats):
             )
     sub = per[:TEST_SUBSET]
     counts = {w: c for w, c in counts.items() if c.sum() > 0}
+    packed = packed_heldout_loss(model, tokenizer, held, args.eval_max_len, args.packed_windows, dev)
     stats["eval"] = dict(
         heldout_loss=round(mean, 4),
         conversations=len(held),
@@ -523,6 +580,7 @@ def stage_eval(args, stats):
         max_len=args.eval_max_len,
         by_workload=by_w,
         test_subset=dict(first_n=TEST_SUBSET, loss=round(sum(a for a, _ in sub) / sum(b for _, b in sub), 4)),
+        packed=packed,
         routing=routing_summary(counts),
         hot_set_size=HOT_SET,
         device=hardware(dev),
@@ -532,6 +590,37 @@ def stage_eval(args, stats):
     log(
         f"[eval] held-out loss {mean:.4f} nats/token over {len(held)} conversations "
         f"({time.time() - t0:.0f} s on {dev})"
+    )
+
+
+def packed_heldout_loss(model, tokenizer, held, seq_len: int, n_windows: int, dev) -> dict:
+    """The training objective on held-out data: mean next-token loss over `n_windows` non-overlapping
+    [seq_len] windows spread evenly over the packed chat-templated held-out stream (whole conversations,
+    so later turns keep their context). Also nats per character, which does not depend on the tokenizer."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    ids, _ = tokenize_conversations(tokenizer, held)
+    total = len(ids) // (seq_len + 1)
+    pick = np.linspace(0, total - 1, num=min(n_windows, total)).round().astype(np.int64)
+    nll = count = chars = 0.0
+    with torch.no_grad():
+        for chunk in np.array_split(pick, max(1, len(pick) // 16)):
+            w = torch.from_numpy(np.stack([ids[i * (seq_len + 1) : (i + 1) * (seq_len + 1)] for i in chunk]))
+            w = w.long().to(dev)
+            logits = model(w[:, :-1]).logits.float()
+            nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum").item()
+            count += w[:, 1:].numel()
+            chars += sum(len(t) for t in tokenizer.batch_decode(w[:, 1:].cpu().tolist()))
+    loss = nll / count
+    return dict(
+        windows=len(pick),
+        seq_len=seq_len,
+        tokens=int(count),
+        loss=round(loss, 4),
+        chars_per_token=round(chars / count, 3),
+        nats_per_char=round(nll / chars, 4),
     )
 
 
@@ -584,7 +673,11 @@ def render_stats(stats) -> str:
             f"- {tr['precision']}; batch {tr['batch_size']} × {tr['seq_len']} tokens (random windows of the packed "
             f"chat-templated stream), lr {tr['lr']} with {tr['warmup_steps']} warm-up steps and cosine decay to "
             f"{tr['min_lr_ratio']} × over the wall-clock budget, weight decay {tr['weight_decay']}, grad clip "
-            f"{tr['grad_clip']}, seed {tr['seed']}; experts implementation `{tr['experts_implementation']}` "
+            f"{tr['grad_clip']}, dropout {tr.get('dropout', 0.0)} (attention and residual branches), "
+            f"{tr.get('aligned_window_fraction', 0.0):.0%} of windows starting at a conversation start, "
+            f"weight EMA {tr.get('ema_decay', 0.0) or 'off'} (shipped: {tr.get('shipped_weights', 'last')} weights"
+            + (f"; quick held-out EMA {tr['ema_quick_heldout']}" if tr.get("ema_quick_heldout") else "")
+            + f"), seed {tr['seed']}; experts implementation `{tr['experts_implementation']}` "
             f"(microbench s/step: {tr['experts_microbench_s_per_step']}).",
             "- Loss curve: `loss_curve.png` (train cross-entropy; held-out loss of the first "
             f"{tr['quick_eval_convs']} held-out conversations during training).",
@@ -609,6 +702,18 @@ def render_stats(stats) -> str:
             "",
             f"Test subset (first {ts['first_n']} held-out conversations in file order): **{ts['loss']:.4f}**.",
             "",
+        ]
+        pk = ev.get("packed")
+        if pk:
+            lines += [
+                f"The training objective on held-out data (the usual validation loss): {pk['windows']} "
+                f"non-overlapping {pk['seq_len']}-token windows spread over the packed held-out stream "
+                f"({pk['tokens']:,} tokens; later turns keep their context): **{pk['loss']:.4f}** nats/token; "
+                f"{pk['chars_per_token']} characters per token, so **{pk['nats_per_char']:.4f}** nats per "
+                "character (independent of the tokenizer).",
+                "",
+            ]
+        lines += [
             "## Routing statistics",
             "",
             "Expert load = top-4 selections per expert over the held-out tokens. Normalised entropy = "
@@ -688,7 +793,7 @@ def main(argv=None):
     )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model/tokenizer directory (%(default)s)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--train-seconds", type=float, default=420.0, help="wall-clock training budget")
+    ap.add_argument("--train-seconds", type=float, default=455.0, help="wall-clock training budget")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: time only)")
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -698,6 +803,13 @@ def main(argv=None):
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dropout", type=float, default=0.05, help="attention and residual-branch dropout")
+    ap.add_argument(
+        "--aligned-frac", type=float, default=0.25, help="share of windows starting at a conversation start"
+    )
+    ap.add_argument(
+        "--ema", type=float, default=0.998, help="keep an EMA of the weights (decay); ship it if its quick loss is lower"
+    )
     ap.add_argument(
         "--experts-impl", default="auto", help="auto (microbench) | grouped_mm | eager | batched_mm"
     )
@@ -707,6 +819,7 @@ def main(argv=None):
     ap.add_argument("--eval-experts-impl", default="eager", help="experts implementation for the eval stage")
     ap.add_argument("--eval-max-len", type=int, default=512)
     ap.add_argument("--eval-batch-size", type=int, default=8)
+    ap.add_argument("--packed-windows", type=int, default=128, help="windows for the packed held-out loss")
     ap.add_argument("--max-train-convs", type=int, default=0, help="smoke tests: use only this many")
     ap.add_argument("--max-eval-convs", type=int, default=0, help="smoke tests: use only this many")
     args = ap.parse_args(argv)
