@@ -9,7 +9,7 @@ and on the decoder stack (end of a step).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,33 +17,48 @@ import torch
 from .base import Deferred, ExpertPolicy
 
 
-def _on_stream(tensor: torch.Tensor, fn):
-    """`fn` to run later, on any thread, on the CUDA stream that was current when `tensor` was made
-    (so its kernels queue after the ones that produced `tensor`)."""
-    if not tensor.is_cuda:
-        return fn
-    stream = torch.cuda.current_stream(tensor.device)
+def _host_copies(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Callable[[], None]]:
+    """Start copying `tensors` to the host; returns the host tensors and a `wait()` that returns once
+    they hold the data.
 
-    def on_stream():
-        with torch.cuda.stream(stream):
-            return fn()
+    On CUDA: one non-blocking copy per tensor (into pinned memory) and one event, all queued on the
+    current stream; `wait()` polls the event with short sleeps, so the waiting thread (FineMoE's
+    searcher) holds neither the GIL nor the device while the forward pass runs on. A blocking
+    `.cpu()` on another thread measurably stalled the forward thread (docs/policies.md). On CPU: the
+    tensors themselves and a no-op.
+    """
+    if not tensors[0].is_cuda:
+        return tensors, lambda: None
+    host = tuple(t.to("cpu", non_blocking=True) for t in tensors)
+    event = torch.cuda.Event()
+    event.record()
 
-    return on_stream
+    def wait() -> None:
+        while not event.query():
+            time.sleep(20e-6)
+
+    return host, wait
 
 
 def _pooled(h: torch.Tensor) -> torch.Tensor:
-    """(T, H) -> (H,) float32 on the host."""
-    return h.float().mean(dim=0).cpu()
+    """(T, H) -> (H,) float32 (on h's device)."""
+    return h.float().mean(dim=0)
 
 
 def _mean_gate_probs(logits: torch.Tensor) -> torch.Tensor:
-    """(..., J) router logits -> (J,) float32 mean softmax on the host."""
-    return torch.softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0).cpu()
+    """(..., J) router logits -> (J,) float32 mean softmax (on the logits' device)."""
+    return torch.softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0)
 
 
-def _host_ids(ids: torch.Tensor) -> torch.Tensor:
-    """(..., k) expert ids -> (T, k) on the host."""
-    return ids.reshape(-1, ids.shape[-1]).cpu()
+def _deferred(value: torch.Tensor, transform=None) -> Deferred:
+    """A `Deferred` host copy of `value` (then `transform` on the host), started now."""
+    (host,), wait = _host_copies(value)
+
+    def get():
+        wait()
+        return host if transform is None else transform(host)
+
+    return Deferred(get, source=value)
 
 
 class NullSink:
@@ -107,10 +122,12 @@ class PolicyHooks:
     def _on_embedding(self, module, inputs, output) -> None:
         self.iteration += 1
         h = output.detach().reshape(-1, output.shape[-1])
-        pooled = Deferred(_on_stream(h, lambda: _pooled(h)), source=h)
+        pooled = _pooled(h)
+        lazy_pooled = _deferred(pooled) if any(self._lazy) else None
+        eager_pooled = pooled.cpu() if not all(self._lazy) else None  # NOTE: host sync (eager policies only)
         for p, lazy in zip(self.policies, self._lazy):
             p.begin_iteration(
-                self.iteration, pooled if lazy else pooled.get(), h.shape[0], request_ids=self.request_ids
+                self.iteration, lazy_pooled if lazy else eager_pooled, h.shape[0], request_ids=self.request_ids
             )
 
     def _router_hook(self, ordinal: int):
@@ -118,14 +135,19 @@ class PolicyHooks:
             if self._speculating:
                 return
             logits, _, top_k_index = output
-            logits, top_k_index = logits.detach(), top_k_index.detach()
-            probs = Deferred(_on_stream(logits, lambda: _mean_gate_probs(logits)), source=logits)
-            ids = Deferred(_on_stream(top_k_index, lambda: _host_ids(top_k_index)), source=top_k_index)
+            logits = logits.detach()
+            top_k_index = top_k_index.detach().reshape(-1, top_k_index.shape[-1])
+            if any(self._lazy):
+                # raw logits go to the host (one copy) and the softmax runs on the consumer's thread
+                lazy_probs = _deferred(logits, _mean_gate_probs)
+                lazy_ids = _deferred(top_k_index)
+            if not all(self._lazy):
+                probs, ids = _mean_gate_probs(logits).cpu(), top_k_index.cpu()  # NOTE: host syncs (eager policies)
             for p, lazy in zip(self.policies, self._lazy):
                 if lazy:
-                    p.observe_layer(self.iteration, ordinal, probs, ids)
+                    p.observe_layer(self.iteration, ordinal, lazy_probs, lazy_ids)
                 else:
-                    p.observe_layer(self.iteration, ordinal, probs.get(), ids.get())
+                    p.observe_layer(self.iteration, ordinal, probs, ids)
             if not self._distances:
                 return
             hidden = inputs[0].detach()
