@@ -20,43 +20,11 @@ work; with one token per step (batch-1 decode) the two are the same thing.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-
-
-class Deferred:
-    """A value computed on the first `get()` (once; thread-safe), on whichever thread asks first.
-
-    The forward pass wraps what it observes (pooled embedding, mean gate probabilities, top-k ids) in
-    these for policies that set `accepts_deferred = True`, so the host copy of a device tensor (a
-    device sync) happens on the consumer's thread, e.g. FineMoE's searcher, never on the forward thread.
-    `source`: the device tensor the value derives from, for consumers that reduce on the device.
-    """
-
-    __slots__ = ("_fn", "_value", "_lock", "source")
-
-    def __init__(self, fn: Callable[[], Any], source: torch.Tensor | None = None):
-        self._fn = fn
-        self._value = None
-        self._lock = threading.Lock()
-        self.source = source
-
-    def get(self):
-        with self._lock:
-            if self._fn is not None:
-                self._value = self._fn()
-                self._fn = None
-                self.source = None  # the device tensor can go now
-            return self._value
-
-
-def resolve(x):
-    """`x.get()` for a `Deferred`, else `x` itself."""
-    return x.get() if isinstance(x, Deferred) else x
 
 
 class ExpertSink(Protocol):
@@ -106,8 +74,6 @@ class ExpertPolicy(Protocol):
     `request_ids`: the requests whose tokens are in this step (empty when the caller does not know);
     request-level policies (MoE-Infinity) use it to tell requests apart.
 
-    `accepts_deferred`: when True, the observations may arrive as `Deferred` values (see `resolve`).
-
     `speculative_distances`: distances d for which the policy wants, at layer l, the top-k that layer
     l+d's router would pick from layer l's router input (Mixtral-Offloading's speculative prefetch).
     The forward pass computes them by calling router l+d on the hidden state it already has, and
@@ -116,7 +82,6 @@ class ExpertPolicy(Protocol):
 
     name: str
     speculative_distances: tuple[int, ...]
-    accepts_deferred: bool
 
     def attach(self, sink: ExpertSink, num_layers: int, num_experts: int, top_k: int) -> None: ...
 
@@ -145,7 +110,6 @@ class PolicyBase:
 
     name = "base"
     speculative_distances: tuple[int, ...] = ()
-    accepts_deferred = False
 
     sink: ExpertSink | None = None
     num_layers = 0

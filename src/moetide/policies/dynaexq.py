@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .base import Deferred, PolicyBase, resolve
+from .base import PolicyBase
 
 
 def n_hi_from_budget(
@@ -58,7 +58,6 @@ class DynaExqScheduler(PolicyBase):
     """
 
     name = "dynaexq"
-    accepts_deferred = True  # counts on the ids' device
 
     def __init__(
         self,
@@ -85,9 +84,7 @@ class DynaExqScheduler(PolicyBase):
         self.max_transitions_per_update = max_transitions_per_update
         self.clock = clock
         self.n_hi: list[int] = []
-        self.counts: torch.Tensor | None = None  # (L, J) float64, current interval (host part)
-        self._device_counts: dict[torch.device, torch.Tensor] = {}  # (L*J,) int64 per device
-        self._ones: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None  # (L, J) float64, current interval
         self.scores: torch.Tensor | None = None  # (L, J) float64, EMA
         self.hi: torch.Tensor | None = None  # (L, J) bool, the hi set as requested
         self._last_update_s: float | None = None
@@ -105,34 +102,15 @@ class DynaExqScheduler(PolicyBase):
             raise ValueError(f"n_hi must be one int or {num_layers} ints in [0, {num_experts}]")
         self.n_hi = n_hi
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-        self._device_counts = {}
         if self.scores is None or self.scores.shape != (num_layers, num_experts):
             self.scores = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.hi = torch.zeros(num_layers, num_experts, dtype=torch.bool)
 
     # -- observation (forward thread) ---------------------------------------------------------------
     def observe_layer(self, iteration, layer, gate_probs, topk_ids) -> None:
-        """Count the layer's selections where the ids live: no host sync on the forward thread (the
-        device counts are read once per update)."""
-        ids = topk_ids.source if isinstance(topk_ids, Deferred) and topk_ids.source is not None else topk_ids
-        ids = resolve(ids).reshape(-1)
-        acc = self._device_counts.get(ids.device)
-        if acc is None:
-            acc = self._device_counts[ids.device] = torch.zeros(
-                self.num_layers * self.num_experts, dtype=torch.int64, device=ids.device
-            )
-        if self._ones is None or self._ones.device != ids.device or self._ones.numel() < ids.numel():
-            self._ones = torch.ones(max(ids.numel(), 1024), dtype=torch.int64, device=ids.device)
-        acc.index_add_(0, ids + layer * self.num_experts, self._ones[: ids.numel()])
-
-    def _take_counts(self) -> torch.Tensor:
-        """(L, J) float64 selections since the last call (one host copy per device), then reset."""
-        counts = self.counts
-        for acc in self._device_counts.values():
-            counts = counts + acc.view(self.num_layers, self.num_experts).to("cpu", torch.float64)
-            acc.zero_()
-        self.counts = torch.zeros_like(self.counts)
-        return counts
+        self.counts[layer] += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts).to(
+            torch.float64
+        )
 
     def end_iteration(self, iteration) -> None:
         if self.clock is not None:
@@ -152,7 +130,7 @@ class DynaExqScheduler(PolicyBase):
 
     def update(self, now_s: float = 0.0) -> list[tuple[int, int, str]]:
         """EMA step, selection with hysteresis and rate limit; sends and returns the changes."""
-        counts = self._take_counts()
+        counts, self.counts = self.counts, torch.zeros_like(self.counts)
         self.scores = self.alpha * self.scores + (1.0 - self.alpha) * counts
         self.updates += 1
         moves = []  # (gap, layer, promote, demote or None)
@@ -245,7 +223,6 @@ class CombinedPolicy(PolicyBase):
         self.prefetch_policy = prefetch
         self.precision_policy = precision
         self.parts = (prefetch, precision)
-        self.accepts_deferred = all(getattr(p, "accepts_deferred", False) for p in self.parts)
         self.speculative_distances = tuple(
             sorted({d for p in self.parts for d in getattr(p, "speculative_distances", ())})
         )

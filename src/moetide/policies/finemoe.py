@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .base import PolicyBase, resolve
+from .base import PolicyBase
 from .expert_map import ExpertMapStore, delta_from_score, select_by_cumulative_probability
 
 _STOP = ("stop",)
@@ -88,7 +88,6 @@ class FineMoEPolicy(PolicyBase):
     """
 
     name = "finemoe"
-    accepts_deferred = True  # observations are resolved (host copies made) on the searcher thread
 
     def __init__(self, config: FineMoEConfig | None = None, store: ExpertMapStore | None = None, **overrides):
         config = config or FineMoEConfig()
@@ -230,7 +229,6 @@ class FineMoEPolicy(PolicyBase):
         kind = event[0]
         if kind == "begin":
             _, it, embedding, num_tokens = event
-            embedding = resolve(embedding)
             self._it, self._embedding, self._prefix, self._semantic_match = it, embedding, [], None
             self._num_tokens = num_tokens
             store = self._ensure_store(self.num_layers, self.num_experts, embedding.shape[-1])
@@ -255,7 +253,7 @@ class FineMoEPolicy(PolicyBase):
             _, it, layer, probs, topk_ids = event
             if it != self._it or layer != len(self._prefix):
                 return  # the begin event or an earlier layer was dropped: skip this iteration
-            self._prefix.append(resolve(probs).detach().float().reshape(-1))
+            self._prefix.append(probs.detach().float().reshape(-1))
             target = layer + self.config.prefetch_distance
             if target >= self.num_layers or self.store is None or len(self.store) == 0:
                 return
@@ -273,7 +271,7 @@ class FineMoEPolicy(PolicyBase):
                 return
             score, row = match
             # a step needs as many experts per layer as it just used (top-k for one token)
-            floor = self.top_k if self._num_tokens == 1 else int(torch.unique(resolve(topk_ids)).numel())
+            floor = self.top_k if self._num_tokens == 1 else int(torch.unique(topk_ids).numel())
             self._issue(it, target, self.store.map(row)[target], score, floor)
         elif kind == "end":
             _, it = event

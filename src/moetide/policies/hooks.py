@@ -9,56 +9,12 @@ and on the decoder stack (end of a step).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .base import Deferred, ExpertPolicy
-
-
-def _host_copies(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Callable[[], None]]:
-    """Start copying `tensors` to the host; returns the host tensors and a `wait()` that returns once
-    they hold the data.
-
-    On CUDA: one non-blocking copy per tensor (into pinned memory) and one event, all queued on the
-    current stream; `wait()` polls the event with short sleeps, so the waiting thread (FineMoE's
-    searcher) holds neither the GIL nor the device while the forward pass runs on. A blocking
-    `.cpu()` on another thread measurably stalled the forward thread (docs/policies.md). On CPU: the
-    tensors themselves and a no-op.
-    """
-    if not tensors[0].is_cuda:
-        return tensors, lambda: None
-    host = tuple(t.to("cpu", non_blocking=True) for t in tensors)
-    event = torch.cuda.Event()
-    event.record()
-
-    def wait() -> None:
-        while not event.query():
-            time.sleep(20e-6)
-
-    return host, wait
-
-
-def _pooled(h: torch.Tensor) -> torch.Tensor:
-    """(T, H) -> (H,) float32 (on h's device)."""
-    return h.float().mean(dim=0)
-
-
-def _mean_gate_probs(logits: torch.Tensor) -> torch.Tensor:
-    """(..., J) router logits -> (J,) float32 mean softmax (on the logits' device)."""
-    return torch.softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0)
-
-
-def _deferred(value: torch.Tensor, transform=None) -> Deferred:
-    """A `Deferred` host copy of `value` (then `transform` on the host), started now."""
-    (host,), wait = _host_copies(value)
-
-    def get():
-        wait()
-        return host if transform is None else transform(host)
-
-    return Deferred(get, source=value)
+from .base import ExpertPolicy
 
 
 class NullSink:
@@ -89,10 +45,6 @@ class PolicyHooks:
     `self.request_ids`), each router hook `observe_layer` (mean softmax of the logits in fp32, top-k
     ids) and, for policies that ask, `observe_speculative` (router l+d applied to router l's input),
     and the decoder-stack hook `end_iteration`. Policies are attached to `sink` (a `NullSink` if none).
-
-    Policies with `accepts_deferred` get `Deferred` observations: the forward thread launches nothing
-    and never syncs for them (the reductions and host copies run when the policy resolves them). The
-    others get host tensors, computed once per layer and shared.
     """
 
     def __init__(self, hf_model, adapter, policies: Sequence[ExpertPolicy], sink=None):
@@ -110,7 +62,6 @@ class PolicyHooks:
         sink = sink if sink is not None else NullSink()
         for p in self.policies:
             p.attach(sink, len(self.routers), num_experts, top_k)
-        self._lazy = [bool(getattr(p, "accepts_deferred", False)) for p in self.policies]
         self._distances = sorted({d for p in self.policies for d in getattr(p, "speculative_distances", ())})
         self._speculating = False
         self._handles = [hf_model.get_input_embeddings().register_forward_hook(self._on_embedding)]
@@ -122,32 +73,19 @@ class PolicyHooks:
     def _on_embedding(self, module, inputs, output) -> None:
         self.iteration += 1
         h = output.detach().reshape(-1, output.shape[-1])
-        pooled = _pooled(h)
-        lazy_pooled = _deferred(pooled) if any(self._lazy) else None
-        eager_pooled = pooled.cpu() if not all(self._lazy) else None  # NOTE: host sync (eager policies only)
-        for p, lazy in zip(self.policies, self._lazy):
-            p.begin_iteration(
-                self.iteration, lazy_pooled if lazy else eager_pooled, h.shape[0], request_ids=self.request_ids
-            )
+        pooled = h.float().mean(dim=0).cpu()
+        for p in self.policies:
+            p.begin_iteration(self.iteration, pooled, h.shape[0], request_ids=self.request_ids)
 
     def _router_hook(self, ordinal: int):
         def hook(module, inputs, output) -> None:
             if self._speculating:
                 return
             logits, _, top_k_index = output
-            logits = logits.detach()
-            top_k_index = top_k_index.detach().reshape(-1, top_k_index.shape[-1])
-            if any(self._lazy):
-                # raw logits go to the host (one copy) and the softmax runs on the consumer's thread
-                lazy_probs = _deferred(logits, _mean_gate_probs)
-                lazy_ids = _deferred(top_k_index)
-            if not all(self._lazy):
-                probs, ids = _mean_gate_probs(logits).cpu(), top_k_index.cpu()  # NOTE: host syncs (eager policies)
-            for p, lazy in zip(self.policies, self._lazy):
-                if lazy:
-                    p.observe_layer(self.iteration, ordinal, lazy_probs, lazy_ids)
-                else:
-                    p.observe_layer(self.iteration, ordinal, probs, ids)
+            probs = torch.softmax(logits.detach().float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0).cpu()
+            ids = top_k_index.detach().reshape(-1, top_k_index.shape[-1]).cpu()
+            for p in self.policies:
+                p.observe_layer(self.iteration, ordinal, probs, ids)
             if not self._distances:
                 return
             hidden = inputs[0].detach()
