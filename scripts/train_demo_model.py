@@ -272,7 +272,7 @@ def stage_train(args, stats):
     amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
 
     starts = torch.from_numpy(conv_starts[conv_starts < N - T - 1]).to(dev)
-    n_aligned = int(round(args.aligned_frac * B))
+    n_aligned = round(args.aligned_frac * B)
 
     def get_batch():
         """[B, T] inputs and targets: random windows of the packed stream, the first `n_aligned` of them
@@ -419,7 +419,9 @@ def stage_train(args, stats):
             for p, e in zip(params, ema):
                 p.copy_(e)
         ema_quick = quick_eval()
-        log(f"[train] quick held-out: last weights {final_quick:.4f}, EMA({args.ema}) weights {ema_quick:.4f}")
+        log(
+            f"[train] quick held-out: last weights {final_quick:.4f}, EMA({args.ema}) weights {ema_quick:.4f}"
+        )
         if ema_quick < final_quick:
             final_quick = ema_quick
         else:
@@ -610,7 +612,9 @@ def packed_heldout_loss(model, tokenizer, held, seq_len: int, n_windows: int, de
             w = torch.from_numpy(np.stack([ids[i * (seq_len + 1) : (i + 1) * (seq_len + 1)] for i in chunk]))
             w = w.long().to(dev)
             logits = model(w[:, :-1]).logits.float()
-            nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum").item()
+            nll += F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum"
+            ).item()
             count += w[:, 1:].numel()
             chars += sum(len(t) for t in tokenizer.batch_decode(w[:, 1:].cpu().tolist()))
     loss = nll / count
@@ -808,7 +812,10 @@ def main(argv=None):
         "--aligned-frac", type=float, default=0.25, help="share of windows starting at a conversation start"
     )
     ap.add_argument(
-        "--ema", type=float, default=0.998, help="keep an EMA of the weights (decay); ship it if its quick loss is lower"
+        "--ema",
+        type=float,
+        default=0.998,
+        help="keep an EMA of the weights (decay); ship it if its quick loss is lower",
     )
     ap.add_argument(
         "--experts-impl", default="auto", help="auto (microbench) | grouped_mm | eager | batched_mm"

@@ -105,6 +105,24 @@ def dtypes(num_tokens):
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
 
+@pytest.mark.parametrize("block_n", [16, 64])
+@pytest.mark.parametrize("precision", ["int4", "int2"])
+def test_grouped_kernel_tiles(kernel, precision, block_n):
+    """The tile widths `GroupedConfig.for_tokens` picks give the same result, at 1 and 3 tokens."""
+    arena, meta = lo_pool(5, 64, 128, precision, seed=11)
+    g = torch.Generator().manual_seed(block_n)
+    ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(3)]).to(device())
+    routing = torch.rand(3, 2, generator=g).to(device())
+    x = torch.randn(3, 128, generator=g).to(device())
+    config = kernel.GroupedConfig(block_n=block_n)
+    for tokens in (1, 3):
+        pair_slot, pair_index = kernel.topk_pairs(ids[:tokens])
+        got = kernel.grouped_lowbit_moe(x[:tokens], routing[:tokens], pair_slot, pair_index, arena, meta,
+                                        config=config)  # fmt: skip
+        expected = reference(x[:tokens], ids[:tokens].reshape(-1), routing[:tokens], arena, meta)
+        assert rel(got, expected) < 1e-5, tokens
+
+
 @pytest.mark.parametrize("precision", ["int4", "int2"])
 @pytest.mark.parametrize("hidden_size", [64, 128])
 @pytest.mark.parametrize("num_tokens", [1, 2, 3])
@@ -251,7 +269,20 @@ def test_lo_kernel_config_and_cli():
         EngineConfig(model="m", lo_kernel="cutlass")
     args = build_parser().parse_args(["generate", "hi", "--lo-kernel", "triton"])
     assert engine_config_from_args(args).lo_kernel == "triton"
-    assert EngineConfig(model="m").lo_kernel == "dequant"
+    assert EngineConfig(model="m").lo_kernel == "auto"
+
+
+def test_auto_lo_kernel_falls_back_to_dequant():
+    """auto: the Triton kernel only on CUDA with SiLU experts (and triton installed), else dequant."""
+    runtime = ExpertRuntime(None, ExpertMetrics(1), F.silu, num_experts=4, top_k=2)
+    runtime.set_lo_kernel("auto", torch.device("cpu"))
+    assert runtime.lowbit_kernel is None
+    gelu = ExpertRuntime(None, ExpertMetrics(1), torch.nn.GELU(), num_experts=4, top_k=2)
+    gelu.set_lo_kernel("auto", torch.device("cuda"))
+    assert gelu.lowbit_kernel is None
+    if HAS_TRITON:
+        runtime.set_lo_kernel("auto", torch.device("cuda"))
+        assert runtime.lowbit_kernel is not None
 
 
 @pytest.mark.skipif(CUDA or INTERPRETING, reason="CPU without the interpreter only")

@@ -57,9 +57,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     )
     p.add_argument(
         "--lo-kernel",
-        default="dequant",
+        default="auto",
         choices=LO_KERNELS,
-        help="lo experts at decode: dequantize + bf16 matmul, or the fused Triton kernel (CUDA)",
+        help="lo experts at decode: dequantize + bf16 matmul, the fused Triton kernel (CUDA), or auto"
+        " (default: triton where it runs, else dequant)",
     )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)

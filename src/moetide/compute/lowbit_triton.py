@@ -53,6 +53,13 @@ class GroupedConfig:
     block_n: int = 32
     num_warps: int = 4
 
+    @classmethod
+    def for_tokens(cls, num_tokens: int) -> GroupedConfig:
+        """The best tiles of the H200 sweep (BENCHMARKS.md, OLMoE expert shape, int4 and int2):
+        block_n 16 at one token (49.5 vs 56.3 us per layer, int4), 64 at 4-8 tokens (111 vs 153 us
+        at T=4, 148 vs 219 us at T=8)."""
+        return cls(block_n=16 if num_tokens == 1 else 64, num_warps=4)
+
 
 def block_k_for(group_size: int, bits: int) -> int:
     """K-tile in codes: the group size capped at MAX_BLOCK_K, so one scale per row per tile."""
@@ -273,7 +280,7 @@ def grouped_lowbit_moe(
     0..P-1 (then P == T*k); arena (S, nbytes) uint8 lo pool rows laid out as `meta`.
     Pairs not listed contribute nothing. No host sync.
     """
-    config = config or GroupedConfig()
+    config = config or GroupedConfig.for_tokens(hidden.shape[0])
     num_tokens, hidden_size = hidden.shape
     top_k = routing.shape[1]
     num_pairs = pair_slot.numel()

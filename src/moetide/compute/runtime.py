@@ -33,7 +33,7 @@ def check_lo_kernel(kind: str, device: torch.device) -> None:
     if kind not in LO_KERNELS:
         raise ConfigError(f"lo kernel must be one of {', '.join(LO_KERNELS)}, got {kind!r}")
     if kind != "triton":
-        return
+        return  # "auto" falls back to dequant where triton cannot run
     if importlib.util.find_spec("triton") is None:
         raise ConfigError(
             "--lo-kernel triton needs the triton package; install it or use --lo-kernel dequant"
@@ -58,6 +58,15 @@ class ExpertRuntime:
         """How lo experts in the lo pool are computed: "dequant" (batched dequantize + bf16 matmul,
         any device) or "triton" (`lowbit_triton`: packed rows straight into a fused kernel, CUDA)."""
         check_lo_kernel(kind, device)
+        if kind == "auto":
+            if device.type != "cuda":  # never Triton's interpreter
+                self.lowbit_kernel = None
+                return
+            try:
+                self.set_lo_kernel("triton", device)
+            except ConfigError:
+                self.lowbit_kernel = None  # dequant: CPU, no triton, non-SiLU experts or odd groups
+            return
         if kind == "dequant":
             self.lowbit_kernel = None
             return
