@@ -45,10 +45,13 @@ def main() -> int:
     )
     ap.add_argument(
         "--lo-kernel",
-        default="dequant",
+        default="auto",
         help=f"comma-separated, of {', '.join(LO_KERNELS)}: policies with lo versions run once per kernel",
     )
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="run each moetide configuration this many times in this process"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     lo_kernels = [k for k in args.lo_kernel.split(",") if k]
@@ -99,7 +102,8 @@ def main() -> int:
         policy, _, on_miss = spec.partition(":")
         budget = None if policy == "no-offload" else args.budget
         has_lo = POLICY_MODES.get(policy, (None, False))[1]
-        for lo_kernel in lo_kernels if has_lo else ["dequant"]:  # the kernel only matters for lo versions
+        kernels = lo_kernels if has_lo else ["auto"]  # the kernel only matters for lo versions
+        for lo_kernel, repeat in ((k, i) for k in kernels for i in range(args.repeat)):
             try:
                 kwargs = {"on_miss": on_miss} if on_miss else {}  # else the engine's default (lo)
                 r = bench_moetide(
@@ -107,6 +111,7 @@ def main() -> int:
                 )
                 r["on_miss"] = on_miss or "default (lo)"
                 r["lo_kernel"] = lo_kernel
+                r["repeat"] = repeat
                 record(r)
             except Exception as e:
                 print(f"moetide {policy} [{lo_kernel}]: {type(e).__name__}: {e}", flush=True)

@@ -24,6 +24,8 @@ for step in "$@"; do
                 --policies no-offload,static-int2,combined --lo-kernel dequant,triton 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     offload)  timeout 200 python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" \
                 --policies no-offload,static-int2,on-demand,combined 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
+    repeat)   timeout 200 python3 scripts/bench_offload.py --skip-hf --repeat 2 --out "$OUT/offload_repeat.json" \
+                --policies no-offload,static-int2,no-offload 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     offload2) timeout 90 python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo.json" \
                 --policies no-offload,static-int2 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     server)   timeout 130 python3 scripts/bench_server.py --concurrency 1 8 32 --requests-per-client 2 --output-len 64 \
