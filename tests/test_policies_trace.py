@@ -244,3 +244,65 @@ def test_trace_recorder_as_policy_numbers_requests_without_ids():
     t = rec.trace()
     assert t.request_ids.tolist() == [0, 0, 0, 1, 1]
     assert [t.step(i).kind for i in range(5)] == ["prefill", "decode", "decode", "prefill", "decode"]
+
+
+class ObservationLog:
+    """A policy that only records what it is shown: (iteration event, layer, probs, ids)."""
+
+    name = "log"
+    speculative_distances = ()
+
+    def __init__(self):
+        self.events = []
+
+    def attach(self, sink, num_layers, num_experts, top_k):
+        pass
+
+    def begin_iteration(self, iteration, embedding, num_tokens, request_ids=()):
+        self.events.append(("begin", num_tokens))
+
+    def observe_layer(self, iteration, layer, gate_probs, topk_ids):
+        self.events.append(("layer", layer, gate_probs.clone(), topk_ids.clone()))
+
+    def end_iteration(self, iteration):
+        self.events.append(("end",))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("policy", ["combined", "no-offload"])
+def test_observations_published_after_the_runtimes_sync_equal_the_eager_ones(policy, device):
+    """With the engine's runtime, a layer is published from the runtime's own host copy of the ids
+    (dynamic residency) or at the next hook (no host sync: no-offload); either way every policy sees
+    the same layers, in the same order, with the same gate probabilities and ids as eager hooks."""
+    import moetide
+
+    budget = "0.5GiB" if policy == "combined" else None  # combined: host syncs; no-offload: none
+    llm = moetide.LLM(device=device, policy=policy, gpu_memory=budget)
+    try:
+        if llm.loaded.policy_hooks is not None:
+            llm.loaded.policy_hooks.remove()
+        params = moetide.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        logs = {}
+        for mode in ("runtime", "eager"):
+            log = ObservationLog()
+            runtime = llm.loaded.runtime if mode == "runtime" else None
+            hooks = PolicyHooks(llm.loaded.model, llm.loaded.adapter, [log], runtime=runtime)
+            try:
+                llm.generate(["def add(a, b):"], params)
+            finally:
+                hooks.remove()
+            assert llm.loaded.runtime.on_host_ids is None
+            logs[mode] = log.events
+    finally:
+        llm.close()
+    layers = len(llm.loaded.moe_layers)
+    deferred, eager = logs["runtime"], logs["eager"]
+    assert len(deferred) == len(eager) == 6 * (layers + 2)
+    for got, want in zip(deferred, eager, strict=True):
+        assert got[:2] == want[:2]
+        if got[0] == "layer":
+            torch.testing.assert_close(got[2], want[2])
+            assert torch.equal(got[3], want[3])

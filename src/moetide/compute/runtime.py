@@ -53,6 +53,8 @@ class ExpertRuntime:
         self.top_k = top_k
         self.iteration = 0
         self.lowbit_kernel = None  # the grouped Triton module when lo_kernel is "triton"
+        # called as on_host_ids(layer, ids (T, k) on the host) after the layer's host sync (PolicyHooks)
+        self.on_host_ids = None
 
     def set_lo_kernel(self, kind: str, device: torch.device) -> None:
         """How lo experts in the lo pool are computed: "dequant" (batched dequantize + bf16 matmul,
@@ -121,6 +123,8 @@ class ExpertRuntime:
             return self._pairs_from_rows(hidden, top_k_index, top_k_weights, arena, base, meta)
         ids_cpu = top_k_index.cpu()  # NOTE: host sync (counted): residency must know the experts
         self.metrics.host_syncs += 1
+        if self.on_host_ids is not None:
+            self.on_host_ids(layer, ids_cpu)
         experts = torch.unique(ids_cpu).tolist()
         out = None
         pending = experts

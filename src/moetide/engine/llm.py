@@ -81,7 +81,9 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         map_store_path=config.extra.get("map_store_path"),
     )
     loaded.policy = policy
-    loaded.policy_hooks = PolicyHooks(loaded.model, loaded.adapter, [policy], sink=residency)
+    loaded.policy_hooks = PolicyHooks(
+        loaded.model, loaded.adapter, [policy], sink=residency, runtime=loaded.runtime
+    )
 
 
 def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[LoadedModel, LLMEngine, object]:

@@ -17,6 +17,11 @@ import torch
 from .base import ExpertPolicy
 
 
+def _mean_gate_probs(logits: torch.Tensor) -> torch.Tensor:
+    """(..., J) router logits -> (J,) float32: the step's mean softmax (on the logits' device)."""
+    return torch.softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0)
+
+
 class NullSink:
     """A sink that drops every request (for policies that only observe, such as `TraceRecorder`)."""
 
@@ -45,9 +50,16 @@ class PolicyHooks:
     `self.request_ids`), each router hook `observe_layer` (mean softmax of the logits in fp32, top-k
     ids) and, for policies that ask, `observe_speculative` (router l+d applied to router l's input),
     and the decoder-stack hook `end_iteration`. Policies are attached to `sink` (a `NullSink` if none).
+
+    `runtime` (the engine's `ExpertRuntime`, only for policies without speculative distances): the
+    router hook then only starts a non-blocking host copy of the router logits, and the layer is
+    published when the runtime has the top-k ids on the host anyway (`runtime.on_host_ids`, right
+    after its own host sync for residency), so observing adds no host sync and no reduction kernels to
+    the decode step; the mean softmax is computed on the host. A layer the runtime computes without a
+    host sync (every expert at a fixed slot) is published, with a sync, at the next hook.
     """
 
-    def __init__(self, hf_model, adapter, policies: Sequence[ExpertPolicy], sink=None):
+    def __init__(self, hf_model, adapter, policies: Sequence[ExpertPolicy], sink=None, runtime=None):
         self.model = hf_model
         self.policies = list(policies)
         self.request_ids: tuple[int, ...] = ()
@@ -64,6 +76,10 @@ class PolicyHooks:
             p.attach(sink, len(self.routers), num_experts, top_k)
         self._distances = sorted({d for p in self.policies for d in getattr(p, "speculative_distances", ())})
         self._speculating = False
+        self._runtime = runtime if runtime is not None and not self._distances else None
+        self._pending: tuple | None = None  # (iteration, ordinal, host logits, device top-k ids)
+        if self._runtime is not None:
+            self._runtime.on_host_ids = self._on_host_ids
         self._handles = [hf_model.get_input_embeddings().register_forward_hook(self._on_embedding)]
         for ordinal, router in enumerate(self.routers):
             self._handles.append(router.register_forward_hook(self._router_hook(ordinal)))
@@ -71,6 +87,7 @@ class PolicyHooks:
         self._handles.append(decoder.register_forward_hook(self._on_decoder_done))
 
     def _on_embedding(self, module, inputs, output) -> None:
+        self._flush_pending()
         self.iteration += 1
         h = output.detach().reshape(-1, output.shape[-1])
         pooled = h.float().mean(dim=0).cpu()
@@ -82,10 +99,14 @@ class PolicyHooks:
             if self._speculating:
                 return
             logits, _, top_k_index = output
-            probs = torch.softmax(logits.detach().float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0).cpu()
+            if self._runtime is not None:
+                self._flush_pending()
+                host_logits = logits.detach().to("cpu", non_blocking=True)  # lands before the runtime's sync
+                self._pending = (self.iteration, ordinal, host_logits, top_k_index)
+                return
+            probs = _mean_gate_probs(logits.detach()).cpu()
             ids = top_k_index.detach().reshape(-1, top_k_index.shape[-1]).cpu()
-            for p in self.policies:
-                p.observe_layer(self.iteration, ordinal, probs, ids)
+            self._publish(ordinal, probs, ids)
             if not self._distances:
                 return
             hidden = inputs[0].detach()
@@ -104,11 +125,39 @@ class PolicyHooks:
 
         return hook
 
+    def _publish(self, ordinal: int, probs: torch.Tensor, ids: torch.Tensor) -> None:
+        for p in self.policies:
+            p.observe_layer(self.iteration, ordinal, probs, ids)
+
+    def _on_host_ids(self, ordinal: int, ids_cpu: torch.Tensor) -> None:
+        """The runtime's callback after its host copy of layer `ordinal`'s top-k ids (a device sync,
+        so the earlier non-blocking copy of the logits has landed too)."""
+        pending = self._pending
+        if pending is None or pending[0] != self.iteration or pending[1] != ordinal:
+            return
+        self._pending = None
+        ids = ids_cpu.reshape(-1, ids_cpu.shape[-1])
+        self._publish(ordinal, _mean_gate_probs(pending[2]), ids)
+
+    def _flush_pending(self) -> None:
+        """Publish a layer the runtime computed without a host sync (so it never called back)."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        _, ordinal, host_logits, top_k_index = pending
+        ids = top_k_index.reshape(-1, top_k_index.shape[-1]).cpu()  # NOTE: host sync (the logits land too)
+        self._publish(ordinal, _mean_gate_probs(host_logits), ids)
+
     def _on_decoder_done(self, module, inputs, output) -> None:
+        self._flush_pending()
         for p in self.policies:
             p.end_iteration(self.iteration)
 
     def remove(self) -> None:
+        if self._runtime is not None and self._runtime.on_host_ids == self._on_host_ids:
+            self._runtime.on_host_ids = None
+        self._pending = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
