@@ -25,7 +25,7 @@ import torch
 _EPS = 1e-12
 
 
-def select_by_cumulative_probability(probs: torch.Tensor, delta: float, top_k: int) -> list[int]:
+def select_by_cumulative_probability(probs: torch.Tensor | np.ndarray, delta: float, top_k: int) -> list[int]:
     """FineMoE's adaptive prefetch set for one layer.
 
     Experts in descending probability (ties: lower id first) until their cumulative probability
@@ -35,7 +35,10 @@ def select_by_cumulative_probability(probs: torch.Tensor, delta: float, top_k: i
     """
     # numpy, not torch: this runs on the searcher thread per layer and per step, and numpy's per-call
     # overhead on a (J,) vector is a fraction of torch's (less time holding the GIL, docs/policies.md)
-    p = probs.detach().float().reshape(-1).cpu().numpy()
+    if isinstance(probs, np.ndarray):
+        p = probs.astype(np.float32, copy=False).reshape(-1)
+    else:
+        p = probs.detach().float().reshape(-1).cpu().numpy()
     J = p.shape[0]
     order = np.argsort(-p, kind="stable")  # descending, ties: lower id first
     cumulative = np.cumsum(p[order])
@@ -100,11 +103,11 @@ class ExpertMapStore:
         """RDY of a new entry against every stored one: (N,) float32."""
         e, m = self._check(embedding, gate_probs)
         d, L = self.prefetch_distance, self.num_layers
-        with self._lock:
+        with self._lock:  # numpy: the searcher thread runs this after every step once the store is full
             n = self._size
-            sem = self._unit_embeddings[:n] @ _normalize(e)
-            traj = self._unit_maps[:n] @ _normalize(m.reshape(-1))
-        return d / L * sem + (L - d) / L * traj
+            sem = self._unit_embeddings.numpy()[:n] @ _normalize(e).numpy()
+            traj = self._unit_maps.numpy()[:n] @ _normalize(m.reshape(-1)).numpy()
+        return torch.from_numpy(d / L * sem + (L - d) / L * traj)
 
     def add(self, embedding: torch.Tensor, gate_probs: torch.Tensor) -> int:
         """Insert one map; when full, replace the most redundant entry (max RDY). Returns its row."""
@@ -180,6 +183,29 @@ class ExpertMapStore:
             scores = self.trajectory_scores(prefix).numpy()
         row = int(np.argmax(scores))
         return float(scores[row]), row
+
+    def trajectory_search_np(self, prefix: np.ndarray) -> tuple[float, int] | None:
+        """`trajectory_search` for the searcher's hot path: `prefix` (l, J) float32 numpy, no checks
+        beyond the shapes numpy enforces."""
+        l = prefix.shape[0]
+        q = prefix.reshape(-1)
+        qnorm = float(np.sqrt(np.dot(q, q)))
+        with self._lock:
+            n = self._size
+            if n == 0:
+                return None
+            dots = self._maps.numpy()[:n, : l * self.num_experts] @ q
+            scores = dots / np.maximum(self._prefix_norms.numpy()[:n, l - 1] * qnorm, _EPS)
+        row = int(np.argmax(scores))
+        return float(scores[row]), row
+
+    def map_layer_np(self, row: int, layer: int) -> np.ndarray:
+        """Stored map of `row` at `layer`: (J,) float32 numpy (a copy)."""
+        J = self.num_experts
+        with self._lock:
+            if not 0 <= row < self._size:
+                raise IndexError(f"row {row} out of range (size {self._size})")
+            return self._maps.numpy()[row, layer * J : (layer + 1) * J].copy()
 
     def map(self, row: int) -> torch.Tensor:
         """Stored map of `row`: (L, J) float32 (a copy)."""

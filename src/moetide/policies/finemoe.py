@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from .base import PolicyBase
@@ -100,7 +101,8 @@ class FineMoEPolicy(PolicyBase):
         # searcher state (touched only by the handler)
         self._it = -1
         self._embedding: torch.Tensor | None = None
-        self._prefix: list[torch.Tensor] = []
+        self._prefix_np = np.zeros((0, 0), dtype=np.float32)  # (L, J): this iteration's observed P_0..
+        self._prefix_len = 0
         self._semantic_match: tuple[float, int] | None = None
         self._num_tokens = 1
         # counters
@@ -126,6 +128,8 @@ class FineMoEPolicy(PolicyBase):
     # -- set-up -------------------------------------------------------------------------------------
     def attach(self, sink, num_layers, num_experts, top_k) -> None:
         super().attach(sink, num_layers, num_experts, top_k)
+        self._prefix_np = np.zeros((num_layers, num_experts), dtype=np.float32)
+        self._prefix_len = 0
         if self.config.prefetch_distance > num_layers:
             raise ValueError(
                 f"prefetch_distance {self.config.prefetch_distance} exceeds {num_layers} MoE layers"
@@ -229,7 +233,8 @@ class FineMoEPolicy(PolicyBase):
         kind = event[0]
         if kind == "begin":
             _, it, embedding, num_tokens = event
-            self._it, self._embedding, self._prefix, self._semantic_match = it, embedding, [], None
+            self._it, self._embedding, self._semantic_match = it, embedding, None
+            self._prefix_len = 0
             self._num_tokens = num_tokens
             store = self._ensure_store(self.num_layers, self.num_experts, embedding.shape[-1])
             if not self.config.use_semantic or len(store) == 0:
@@ -242,18 +247,19 @@ class FineMoEPolicy(PolicyBase):
                 return
             self._semantic_match = match
             score, row = match
-            stored = store.map(row)
             for layer in range(min(self.config.prefetch_distance, self.num_layers)):
                 if self._is_late(it, layer):
                     self.late_skipped += 1
                     continue
-                floor = expected_distinct(stored[layer], num_tokens, self.top_k)
-                self._issue(it, layer, stored[layer], score, floor)
+                stored = store.map_layer_np(row, layer)
+                floor = expected_distinct(torch.from_numpy(stored), num_tokens, self.top_k)
+                self._issue(it, layer, stored, score, floor)
         elif kind == "layer":
             _, it, layer, probs, topk_ids = event
-            if it != self._it or layer != len(self._prefix):
+            if it != self._it or layer != self._prefix_len:
                 return  # the begin event or an earlier layer was dropped: skip this iteration
-            self._prefix.append(probs.detach().float().reshape(-1))
+            self._prefix_np[layer] = probs.detach().float().reshape(-1).numpy()
+            self._prefix_len += 1
             target = layer + self.config.prefetch_distance
             if target >= self.num_layers or self.store is None or len(self.store) == 0:
                 return
@@ -262,7 +268,7 @@ class FineMoEPolicy(PolicyBase):
                 return
             if self.config.use_trajectory:
                 t0 = time.perf_counter()
-                match = self.store.trajectory_search(torch.stack(self._prefix))
+                match = self.store.trajectory_search_np(self._prefix_np[: self._prefix_len])
                 self.search_time_s += time.perf_counter() - t0
                 self.trajectory_searches += 1
             else:
@@ -272,20 +278,20 @@ class FineMoEPolicy(PolicyBase):
             score, row = match
             # a step needs as many experts per layer as it just used (top-k for one token)
             floor = self.top_k if self._num_tokens == 1 else int(torch.unique(topk_ids).numel())
-            self._issue(it, target, self.store.map(row)[target], score, floor)
+            self._issue(it, target, self.store.map_layer_np(row, target), score, floor)
         elif kind == "end":
             _, it = event
             if (
                 self.config.online_updates
                 and it == self._it
-                and len(self._prefix) == self.num_layers
+                and self._prefix_len == self.num_layers
                 and self._embedding is not None
                 and self.store is not None
             ):
-                self.store.add(self._embedding, torch.stack(self._prefix))
+                self.store.add(self._embedding, torch.from_numpy(self._prefix_np.copy()))
 
-    def _issue(self, iteration: int, layer: int, probs: torch.Tensor, score: float, floor: int) -> None:
-        """Prefetch (and protect) layer `layer`'s experts from a matched distribution `probs` (J,).
+    def _issue(self, iteration: int, layer: int, probs: np.ndarray, score: float, floor: int) -> None:
+        """Prefetch (and protect) layer `layer`'s experts from a matched distribution `probs` (J,) numpy.
 
         `floor`: experts the step needs at least (top-k for a one-token step); the ablation without
         adaptive delta takes exactly that many.
@@ -294,7 +300,7 @@ class FineMoEPolicy(PolicyBase):
         if self.config.adaptive_delta:
             experts = select_by_cumulative_probability(probs, delta_from_score(score), floor)
         else:
-            experts = torch.sort(probs, descending=True, stable=True).indices[:floor].tolist()
+            experts = np.argsort(-probs, kind="stable")[:floor].tolist()
         priorities = probs[experts].tolist()
         self.prefetch_requests += 1
         self.prefetched_experts += len(experts)
