@@ -34,8 +34,10 @@ for step in "$@"; do
     searcher) timeout 70 python3 scripts/bench_searcher.py --warm 24 --prompts 4 --new-tokens 32 --out "$OUT/searcher.json" 2>&1 | tail -16 ;;
     bs32)     timeout 150 $MT bench --synthetic olmoe-1b-7b --policy combined,lru,on-demand --gpu-memory 4GiB \
                 --batch-size 32 --output-len 32 --max-input-len 128 --out "$OUT/bs32" 2>&1 | grep -v "Warn\|Loading" | tail -12 ;;
+    bs32tri)  timeout 150 $MT bench --synthetic olmoe-1b-7b --policy combined,static-int2 --gpu-memory 4GiB --lo-kernel triton \
+                --batch-size 32 --output-len 32 --max-input-len 128 --out "$OUT/bs32tri" 2>&1 | grep -v "Warn\|Loading" | tail -12 ;;
     eval)     timeout 60 $MT eval --max-convs 48 --out "$OUT/eval" 2>&1 | tail -16 ;;
     *) echo "unknown step $step" ;;
   esac
 done
-cd "$OUT" && for d in bs32 eval; do [ -d $d ] && tar czf $d.tgz $d && rm -rf $d; done; ls -la "$OUT"
+cd "$OUT" && for d in bs32 bs32tri eval; do [ -d $d ] && tar czf $d.tgz $d && rm -rf $d; done; ls -la "$OUT"

@@ -105,6 +105,27 @@ def dtypes(num_tokens):
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
 
+@pytest.mark.parametrize("precision", ["int4", "int2"])
+@pytest.mark.parametrize("num_tokens", [17, 40])
+def test_grouped_kernel_runs_longer_than_a_row_tile(kernel, precision, num_tokens):
+    """More tokens than one program's row tile (16): a run of pairs sharing an expert is split into
+    chunks (here expert 0 has every token, so its run is num_tokens long)."""
+    arena, meta = lo_pool(4, 32, 64, precision, seed=num_tokens)
+    g = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack(
+        [torch.tensor([0, 1 + int(torch.randint(3, (1,), generator=g))]) for _ in range(num_tokens)]
+    )
+    ids = ids.to(device())
+    routing = torch.rand(num_tokens, 2, generator=g).to(device())
+    x = torch.randn(num_tokens, 64, generator=g).to(device())
+    chunks = kernel._chunk_starts(kernel.topk_pairs(ids)[0], kernel.ROW_TILE)
+    assert int(chunks.sum()) > 4  # three runs start, and expert 0's run is split
+    pair_slot, pair_index = kernel.topk_pairs(ids)
+    got = kernel.grouped_lowbit_moe(x, routing, pair_slot, pair_index, arena, meta)
+    expected = reference(x, ids.reshape(-1), routing, arena, meta)
+    assert rel(got, expected) < 1e-5
+
+
 @pytest.mark.parametrize("block_n", [16, 64])
 @pytest.mark.parametrize("precision", ["int4", "int2"])
 def test_grouped_kernel_tiles(kernel, precision, block_n):
@@ -176,10 +197,11 @@ def test_grouped_kernel_small_groups(kernel, precision, group_size):
 
 def test_grouped_kernel_rejects_what_it_cannot_run(kernel):
     arena, meta = lo_pool(2, 64, 64, "int4")
-    pairs = kernel.topk_pairs(torch.zeros(17, 1, dtype=torch.long, device=device()))
+    too_many = kernel.MAX_TOKENS + 1
+    pairs = kernel.topk_pairs(torch.zeros(too_many, 1, dtype=torch.long, device=device()))
     with pytest.raises(ValueError, match="tokens"):
         kernel.grouped_lowbit_moe(
-            torch.zeros(17, 64, device=device()), torch.ones(17, 1), *pairs, arena, meta
+            torch.zeros(too_many, 64, device=device()), torch.ones(too_many, 1), *pairs, arena, meta
         )
     odd = quant.expert_layout("int4", 48, 48, torch.float32, group_size=48)
     with pytest.raises(ValueError, match="power-of-two"):

@@ -6,7 +6,8 @@ in bf16 and reads them back; these kernels read the packed codes and the float16
 and dequantize in registers. Pool rows are in the layout of `quant.expert_layout` (one row per slot
 of the lo arena `(S, nbytes)` uint8, see `residency.pool.SlotPool`).
 
-Shapes: T tokens (1..MAX_TOKENS), k experts per token, H hidden, I expert intermediate,
+Shapes: T tokens (1..MAX_TOKENS; a program computes up to ROW_TILE tokens of one expert, so a
+longer run of pairs sharing an expert is split into ROW_TILE chunks), k experts per token, H hidden, I expert intermediate,
 P token-expert pairs (P <= T*k).
     hidden         (T, H)      activations (bf16, fp16 or fp32)
     routing        (T, k)      routing weights, any float dtype
@@ -42,7 +43,9 @@ import triton.language as tl
 
 from ..store.quant import QuantMeta
 
-MAX_TOKENS = 16  # one tl.dot tile of rows; more tokens go through dequantize + grouped matmul
+ROW_TILE = 16  # tokens one program computes at once (one tl.dot tile of rows)
+MAX_TOKENS = 64  # decode batches up to this; longer runs of one expert are split into ROW_TILE chunks
+AUTO_MAX_TOKENS = 16  # what `lo_kernel="auto"` hands the kernel: the range measured on the H200
 MAX_BLOCK_K = 128  # codes per K-tile at most (32 bytes of a row for int4, 32 for int2 at 128)
 
 
@@ -89,12 +92,24 @@ def _tile_dot(x, w, BLOCK_T: tl.constexpr, BYTES_K: tl.constexpr, DOT_PRECISION:
 
 
 @triton.jit
-def _pair_run(pair_slot_ptr, pair_index_ptr, num_pairs, pos, BLOCK_T: tl.constexpr, HAS_INDEX: tl.constexpr):
-    """The run of pairs starting at `pos` that share its row: (pos is inside a run, not its first pair;
-    row (scalar),
+def _pair_run(
+    pair_slot_ptr,
+    pair_index_ptr,
+    chunk_start_ptr,
+    num_pairs,
+    pos,
+    BLOCK_T: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    CHUNKED: tl.constexpr,
+):
+    """The run of pairs starting at `pos` that share its row: (pos is not where a program starts
+    (inside a run, or with CHUNKED inside a ROW_TILE chunk of a longer run), row (scalar),
     member positions (BLOCK_T,), member mask (BLOCK_T,), flat pair indices (BLOCK_T,))."""
     slot = tl.load(pair_slot_ptr + pos)
-    prev = tl.load(pair_slot_ptr + pos - 1, mask=pos > 0, other=-1)
+    if CHUNKED:  # runs may be longer than BLOCK_T: a program starts at every chunk start
+        prev = tl.where(tl.load(chunk_start_ptr + pos) != 0, -1, slot)
+    else:
+        prev = tl.load(pair_slot_ptr + pos - 1, mask=pos > 0, other=-1)
     member_pos = pos + tl.arange(0, BLOCK_T)
     in_range = member_pos < num_pairs
     member = in_range & (tl.load(pair_slot_ptr + member_pos, mask=in_range, other=-1) == slot)
@@ -163,6 +178,7 @@ def _gate_up_kernel(
     row_params,
     pair_slot_ptr,
     pair_index_ptr,
+    chunk_start_ptr,
     num_pairs,
     slot_base,
     h_ptr,
@@ -178,13 +194,14 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_INDEX: tl.constexpr,
+    CHUNKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """h[pos] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T) for one run of pairs."""
     pid_n = tl.program_id(0)
     pos = tl.program_id(1)
     inside, slot, member_pos, member, pair_index = _pair_run(
-        pair_slot_ptr, pair_index_ptr, num_pairs, pos, BLOCK_T, HAS_INDEX
+        pair_slot_ptr, pair_index_ptr, chunk_start_ptr, num_pairs, pos, BLOCK_T, HAS_INDEX, CHUNKED
     )
     if inside:  # the program of the run's first pair computes it
         return
@@ -215,6 +232,7 @@ def _down_kernel(
     row_params,
     pair_slot_ptr,
     pair_index_ptr,
+    chunk_start_ptr,
     num_pairs,
     slot_base,
     routing_ptr,
@@ -230,13 +248,14 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_INDEX: tl.constexpr,
+    CHUNKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """y[pair] (BLOCK_N columns) = routing[pair] * (h[pos] @ Wd^T) for one run of pairs, float32."""
     pid_n = tl.program_id(0)
     pos = tl.program_id(1)
     inside, slot, member_pos, member, pair_index = _pair_run(
-        pair_slot_ptr, pair_index_ptr, num_pairs, pos, BLOCK_T, HAS_INDEX
+        pair_slot_ptr, pair_index_ptr, chunk_start_ptr, num_pairs, pos, BLOCK_T, HAS_INDEX, CHUNKED
     )
     if inside:
         return
@@ -294,7 +313,8 @@ def grouped_lowbit_moe(
     y = alloc(num_tokens * top_k, hidden_size, device=hidden.device, dtype=torch.float32)
     common = {
         "BITS": meta.bits,
-        "BLOCK_T": 1 if num_tokens == 1 else MAX_TOKENS,
+        "BLOCK_T": 1 if num_tokens == 1 else ROW_TILE,
+        "CHUNKED": num_tokens > ROW_TILE,
         "BLOCK_N": config.block_n,
         "HAS_INDEX": pair_index is not None,
         # float32 inputs would otherwise go through TF32 (10-bit mantissa) on tensor cores
@@ -302,19 +322,31 @@ def grouped_lowbit_moe(
         "num_warps": config.num_warps,
     }
     index = pair_index if pair_index is not None else pair_slot  # unread when HAS_INDEX is False
+    # unread unless CHUNKED (more tokens than a row tile, so a run of one expert may need several programs)
+    chunk_start = _chunk_starts(pair_slot, ROW_TILE) if num_tokens > ROW_TILE else pair_slot
     _gate_up_kernel[(triton.cdiv(inter, config.block_n), num_pairs)](
         hidden, hidden.stride(0), arena, params, arena.stride(0), params.stride(0),
-        pair_slot, index, num_pairs, slot_base, h, *_matrix_offsets(meta, "gate_up"),
+        pair_slot, index, chunk_start, num_pairs, slot_base, h, *_matrix_offsets(meta, "gate_up"),
         TOP_K=top_k, HIDDEN=hidden_size, INTER=inter, GROUP_SIZE=meta.group_size_gate_up,
         BLOCK_K=block_k_for(meta.group_size_gate_up, meta.bits), **common,
     )  # fmt: skip
     _down_kernel[(triton.cdiv(hidden_size, config.block_n), num_pairs)](
         h, arena, params, arena.stride(0), params.stride(0),
-        pair_slot, index, num_pairs, slot_base, routing, y, *_matrix_offsets(meta, "down"),
+        pair_slot, index, chunk_start, num_pairs, slot_base, routing, y, *_matrix_offsets(meta, "down"),
         HIDDEN=hidden_size, INTER=inter, GROUP_SIZE=meta.group_size_down,
         BLOCK_K=block_k_for(meta.group_size_down, meta.bits), **common,
     )  # fmt: skip
     return y.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+
+
+def _chunk_starts(pair_slot: torch.Tensor, tile: int) -> torch.Tensor:
+    """(P,) int8, 1 where a program starts: at the first pair of every run of equal rows and then every
+    `tile` pairs inside the run. On the device, no host sync."""
+    positions = torch.arange(pair_slot.numel(), device=pair_slot.device)
+    new_run = torch.ones_like(pair_slot, dtype=torch.bool)
+    new_run[1:] = pair_slot[1:] != pair_slot[:-1]
+    run_start = torch.cummax(torch.where(new_run, positions, torch.zeros_like(positions)), 0).values
+    return ((positions - run_start) % tile == 0).to(torch.int8)
 
 
 def topk_pairs(top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -53,6 +53,7 @@ class ExpertRuntime:
         self.top_k = top_k
         self.iteration = 0
         self.lowbit_kernel = None  # the grouped Triton module when lo_kernel is "triton"
+        self.lowbit_max_tokens = 0  # the largest T it computes (auto: the measured range only)
         # called as on_host_ids(layer, ids (T, k) on the host) after the layer's host sync (PolicyHooks)
         self.on_host_ids = None
 
@@ -68,6 +69,8 @@ class ExpertRuntime:
                 self.set_lo_kernel("triton", device)
             except ConfigError:
                 self.lowbit_kernel = None  # dequant: CPU, no triton, non-SiLU experts or odd groups
+                return
+            self.lowbit_max_tokens = self.lowbit_kernel.AUTO_MAX_TOKENS
             return
         if kind == "dequant":
             self.lowbit_kernel = None
@@ -84,6 +87,7 @@ class ExpertRuntime:
             except ValueError as e:
                 raise ConfigError(f"--lo-kernel triton: {e}; use --lo-kernel dequant") from None
         self.lowbit_kernel = lowbit_triton
+        self.lowbit_max_tokens = lowbit_triton.MAX_TOKENS
 
     def on_embedding(self, embeds: torch.Tensor) -> None:
         """Embedding-layer output starts a new iteration (policies observe through `PolicyHooks`)."""
@@ -184,8 +188,9 @@ class ExpertRuntime:
 
     def _lowbit_fits(self, hidden: torch.Tensor) -> bool:
         """Whether the grouped Triton kernel computes lo versions for `hidden (T, H)`: lo_kernel is
-        "triton" and T is a decode batch (prefill is compute-bound: dequantize + grouped matmul)."""
-        return self.lowbit_kernel is not None and hidden.shape[0] <= self.lowbit_kernel.MAX_TOKENS
+        "triton" (T <= 64) or "auto" on CUDA (T <= 16, the range measured on the H200), so decode
+        batches; prefill is compute-bound and keeps dequantize + grouped matmul."""
+        return self.lowbit_kernel is not None and hidden.shape[0] <= self.lowbit_max_tokens
 
     def _lowbit_pairs(self, hidden, ids_cpu, top_k_weights, slot_of: dict[int, int], arena, meta):
         """The pairs of the experts in `slot_of` (expert -> lo pool slot) through the grouped Triton
