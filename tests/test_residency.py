@@ -336,3 +336,45 @@ def test_host_versions_can_be_dropped_only_where_the_device_holds_them(qwen3_che
         moetide.LLM(
             qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory="64MiB", host_versions=("lo",)
         )
+
+
+def _plan(**kw):
+    fixed = FixedCosts(1000, 64 * 10, 100, 50, kv_cache_tokens=64)  # 10 bytes per KV token
+    return plan_memory(
+        kw.pop("budget"),
+        fixed,
+        num_experts_total=8,
+        hi_slot_bytes=400,
+        lo_slot_bytes=100,
+        min_hi_slots=2,
+        **kw,
+    )
+
+
+def test_spare_budget_goes_to_the_kv_reservation_and_never_to_more_than_the_budget():
+    # fixed 1,790 B; every expert version has its slot (8 lo + 8 hi = 4,000 B); 4,210 B left: +421 tokens
+    roomy = _plan(budget=10_000, mode="lo+hi")
+    assert (roomy.lo_slots, roomy.hi_slots) == (8, 8)
+    grown = roomy.with_spare_kv(10, max_kv_tokens=10_000)
+    assert grown.fixed.kv_cache_tokens == 64 + 421 and grown.fixed.kv_cache == 640 + 4210
+    assert grown.fixed.total + grown.expert_bytes <= grown.budget_bytes
+    assert (grown.hi_slots, grown.lo_slots) == (roomy.hi_slots, roomy.lo_slots)  # the pools keep theirs
+    assert roomy.with_spare_kv(10, max_kv_tokens=100).fixed.kv_cache_tokens == 100  # capped
+    # pools not capped: only what is left beside whole slots (< one hi slot) can go to the KV cache
+    tight = _plan(budget=4_000, mode="hi-cache")
+    assert tight.with_spare_kv(10, max_kv_tokens=10_000).fixed.kv_cache_tokens - 64 < 400 // 10
+
+
+def test_the_engine_reserves_spare_budget_for_kv_unless_told_a_size():
+    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="1GiB")
+    try:
+        plan = llm.loaded.runtime.residency.plan
+        assert plan.fixed.kv_cache_tokens == llm.engine.kv_cache_tokens == 32 * 2048  # max_num_seqs full rows
+        assert plan.fixed.total + plan.expert_bytes <= plan.budget_bytes
+    finally:
+        llm.close()
+    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="1GiB", kv_cache_tokens=4096)
+    try:
+        assert llm.loaded.runtime.residency.plan.fixed.kv_cache_tokens == llm.engine.kv_cache_tokens == 4096
+    finally:
+        llm.close()

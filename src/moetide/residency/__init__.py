@@ -71,6 +71,12 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     return 2 * layers * kv_heads * head_dim * elt
 
 
+def max_kv_tokens(config: EngineConfig, model_config) -> int:
+    """KV tokens worth reserving at most: `max_num_seqs` sequences of the full length."""
+    max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", 2048)
+    return config.max_num_seqs * max_len
+
+
 def fixed_costs(
     config: EngineConfig, model_config, model, dtype: torch.dtype, hi_expert_bytes: int, budget_bytes: int
 ) -> FixedCosts:
@@ -81,8 +87,8 @@ def fixed_costs(
     max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", 2048)
     if config.kv_cache_tokens is not None:
         kv_tokens = config.kv_cache_tokens
-    else:  # a tenth of the budget, enough for at least one full-length sequence
-        kv_tokens = min(config.max_num_seqs * max_len, max(max_len, budget_bytes // 10 // per_token))
+    else:  # a tenth of the budget, enough for at least one full-length sequence (more if the pools leave room)
+        kv_tokens = min(max_kv_tokens(config, model_config), max(max_len, budget_bytes // 10 // per_token))
     elt = torch.empty((), dtype=dtype).element_size()
     hidden = model_config.hidden_size
     heads = model_config.num_attention_heads
@@ -140,8 +146,12 @@ def build_residency(
         min_hi_slots=top_k,
         mode=mode,
     )
+    if config.kv_cache_tokens is None:  # a KV size the user gave is kept as it is
+        plan = plan.with_spare_kv(
+            kv_bytes_per_token(model_config, store.shape.dtype), max_kv_tokens(config, model_config)
+        )
     tracker = BudgetTracker(budget_bytes)
-    tracker.reserve(fixed.total, "fixed", "the fixed part (weights, KV cache, activations)")
+    tracker.reserve(plan.fixed.total, "fixed", "the fixed part (weights, KV cache, activations)")
     transfer = (
         CudaTransfer(device)
         if device.type == "cuda"

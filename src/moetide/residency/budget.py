@@ -9,7 +9,7 @@ deferred or triggers an eviction, never an allocation past the cap.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import format_bytes
 from ..errors import BudgetError
@@ -83,6 +83,21 @@ class MemoryPlan:
     @property
     def expert_bytes(self) -> int:
         return self.hi_slots * self.hi_slot_bytes + self.lo_slots * self.lo_slot_bytes
+
+    def with_spare_kv(self, kv_bytes_per_token: int, max_kv_tokens: int) -> MemoryPlan:
+        """The budget the expert pools leave unused (they are capped at one slot per expert version)
+        added to the KV reservation, up to `max_kv_tokens` in all: more sequences are admitted at
+        once, and nothing the pools could use is taken."""
+        spare = self.budget_bytes - self.fixed.total - self.expert_bytes
+        extra = min(max_kv_tokens - self.fixed.kv_cache_tokens, spare // max(kv_bytes_per_token, 1))
+        if extra <= 0:
+            return self
+        fixed = replace(
+            self.fixed,
+            kv_cache=self.fixed.kv_cache + extra * kv_bytes_per_token,
+            kv_cache_tokens=self.fixed.kv_cache_tokens + extra,
+        )
+        return replace(self, fixed=fixed)
 
     def describe(self) -> str:
         f = self.fixed
