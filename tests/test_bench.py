@@ -386,3 +386,12 @@ def test_bench_and_replay_on_cuda(recorded, other_weights, tmp_path):
     assert all(r["error"] is None for r in rows), [r["error"] for r in rows]
     run = json.loads((tmp_path / "trace" / "runs" / f"{rows[0]['name']}.json").read_text())
     assert run["replay"]["steps_replayed"] == len(trace) and run["replay"]["speculative_unrecorded"] == 0
+
+
+def test_bench_moetide_records_every_decode_step(qwen3_checkpoint):
+    from moetide.bench.decode import bench_moetide
+
+    r = bench_moetide(qwen3_checkpoint, "on-demand", "64MiB", new_tokens=6, device="cpu", prompt_len=8)
+    steps = r["decode_step_ms"]
+    assert r["decode_tok_s"] > 0 and len(steps["all"]) >= 5
+    assert 0 < steps["min"] <= steps["p50"] <= steps["max"]

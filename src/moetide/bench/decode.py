@@ -58,6 +58,7 @@ def bench_moetide(
         [prompt_ids(vocab, prompt_len, seed=1)],
         moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
     )[0]
+    steps_ms = _decode_step_times_ms(llm, prompt_ids(vocab, prompt_len, seed=2), new_tokens)
     result = {
         "engine": "moetide",
         "policy": policy,
@@ -69,6 +70,16 @@ def bench_moetide(
         "decode_tok_s": 1.0 / out.tpot_s if out.tpot_s else None,
         "new_tokens": len(out.token_ids),
         "peak_gpu_bytes": _peak_bytes(),
+        # a diagnostic third pass, each engine step timed with a device sync on both sides: are slow
+        # decodes uniformly slow, or a few steps very slow (first-use costs, collection pauses)?
+        "decode_step_ms": {
+            "min": round(min(steps_ms), 3),
+            "p50": round(sorted(steps_ms)[len(steps_ms) // 2], 3),
+            "max": round(max(steps_ms), 3),
+            "all": [round(t, 3) for t in steps_ms],
+        }
+        if steps_ms
+        else None,
         "metrics": {k: v for k, v in llm.metrics.snapshot().items() if k != "per_layer"},
         "resident": llm.loaded.runtime.residency.resident_counts(),
         "plan": getattr(getattr(llm.loaded.runtime.residency, "plan", None), "describe", lambda: None)(),
@@ -77,6 +88,23 @@ def bench_moetide(
     del llm
     _free_device()
     return result
+
+
+def _decode_step_times_ms(llm, ids: list[int], new_tokens: int) -> list[float]:
+    """Wall time of every decode step of one batch-1 request (the prefill step excluded), in ms."""
+    import moetide
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    engine = llm.engine
+    engine.add_request(ids, moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    times = []
+    while engine.has_unfinished():
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times[1:]
 
 
 def bench_hf(
