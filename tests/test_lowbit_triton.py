@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import CUDA, HAS_TRITON, INTERPRETING, kernel_device, run_under_interpreter
 
 import moetide
 from moetide.cli import build_parser, engine_config_from_args
@@ -28,9 +26,6 @@ from moetide.errors import ConfigError
 from moetide.residency.metrics import ExpertMetrics
 from moetide.store import quant
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
 MIN_INTERPRETER_PASSES = 20  # the kernel tests below, as the interpreter process must run them
 
 
@@ -47,23 +42,12 @@ def kernel():
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(CUDA or INTERPRETING, reason="the kernel tests run in this process")
 def test_grouped_kernel_under_interpreter():
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-               "-k", "grouped and not under_interpreter"]  # fmt: skip
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=900)
-    summary = result.stdout[-3000:] + result.stderr[-2000:]
+    result, passed, summary = run_under_interpreter(__file__, "grouped and not under_interpreter")
     assert result.returncode == 0, summary
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) >= MIN_INTERPRETER_PASSES, summary
+    assert passed >= MIN_INTERPRETER_PASSES, summary
 
 
-def device() -> str:
-    return "cuda" if CUDA else "cpu"
+device = kernel_device
 
 
 def lo_pool(num_rows, inter, hidden, precision, group_size=None, seed=0):

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton_interpreter import HAS_TRITON, INTERPRETING, kernel_device, run_under_interpreter
 
 from moetide.store import quant
 from moetide.store.quant import (
@@ -401,11 +397,7 @@ def test_cuda_forward_matches_cpu(precision):
 # Triton fused low-bit kernel: on CPU under Triton's interpreter, on GPU compiled
 # ---------------------------------------------------------------------------------------------
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-# triton reads TRITON_INTERPRET when it (and each kernel) is first imported; in a full test run
-# transformers imports triton long before this module, so on CPU the kernel tests run in a fresh
-# interpreter-mode process (test_triton_kernels_under_interpreter) instead of this one.
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# on CPU the kernel tests run in an interpreter-mode process (test_triton_kernels_under_interpreter)
 
 
 @pytest.fixture(scope="module")
@@ -421,23 +413,9 @@ def triton_lowbit():
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETING, reason="the kernel tests run in this process")
 def test_triton_kernels_under_interpreter():
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-               "-k", "triton and not under_interpreter"]  # fmt: skip
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=900)
-    summary = result.stdout[-3000:] + result.stderr[-2000:]
+    result, passed, summary = run_under_interpreter(__file__, "triton and not under_interpreter")
     assert result.returncode == 0, summary
-    passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed.group(1)) >= 9 and "skipped" not in result.stdout.splitlines()[-1], summary
-
-
-def kernel_device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    assert passed >= 9 and "skipped" not in result.stdout.splitlines()[-1], summary
 
 
 # The interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584: bf16 is not

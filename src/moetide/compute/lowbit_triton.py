@@ -121,6 +121,14 @@ def _pair_run(
 
 
 @triton.jit
+def _row_pointers(arena_ptr, params_ptr, row, row_bytes, row_params, packed_off, scale_off, offset_off):
+    """Where one matrix of pool row `row` lives: (packed codes, float16 scales, float16 offsets)."""
+    row = row.to(tl.int64)
+    params = params_ptr + row * row_params
+    return arena_ptr + row * row_bytes + packed_off, params + scale_off, params + offset_off
+
+
+@triton.jit
 def _lowbit_rows_dot(
     x_ptr,
     x_rows,
@@ -205,10 +213,9 @@ def _gate_up_kernel(
     )
     if inside:  # the program of the run's first pair computes it
         return
-    row = (slot + slot_base).to(tl.int64)
-    packed_ptr = arena_ptr + row * row_bytes + packed_off
-    scale_ptr = params_ptr + row * row_params + scale_off
-    offset_ptr = params_ptr + row * row_params + offset_off
+    packed_ptr, scale_ptr, offset_ptr = _row_pointers(
+        arena_ptr, params_ptr, slot + slot_base, row_bytes, row_params, packed_off, scale_off, offset_off
+    )
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
     tokens = pair_index // TOP_K
@@ -259,10 +266,9 @@ def _down_kernel(
     )
     if inside:
         return
-    row = (slot + slot_base).to(tl.int64)
-    packed_ptr = arena_ptr + row * row_bytes + packed_off
-    scale_ptr = params_ptr + row * row_params + scale_off
-    offset_ptr = params_ptr + row * row_params + offset_off
+    packed_ptr, scale_ptr, offset_ptr = _row_pointers(
+        arena_ptr, params_ptr, slot + slot_base, row_bytes, row_params, packed_off, scale_off, offset_off
+    )
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < HIDDEN
     acc = _lowbit_rows_dot(h_ptr, member_pos, INTER, member, packed_ptr, scale_ptr, offset_ptr,

@@ -1,0 +1,41 @@
+"""Running Triton kernel tests on CPU: under Triton's interpreter, in a fresh process.
+
+triton reads TRITON_INTERPRET when it (and each kernel) is first imported; in a full test run
+transformers imports triton long before the kernel tests, so on CPU they run in an interpreter-mode
+subprocess and, on CUDA, compiled in the test process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+
+
+def kernel_device() -> str:
+    return "cuda" if CUDA else "cpu"
+
+
+def run_under_interpreter(test_file: str, keyword: str) -> tuple[subprocess.CompletedProcess, int, str]:
+    """pytest `test_file -k keyword` with TRITON_INTERPRET=1 in a new process:
+    (the finished process, how many tests passed, the tail of its output for assertion messages)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-k", keyword]
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=900)
+    summary = result.stdout[-3000:] + result.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", result.stdout)
+    return result, int(passed.group(1)) if passed else 0, summary
