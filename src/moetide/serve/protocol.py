@@ -191,6 +191,22 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def _envelope(request_id: str, obj: str, created: int, model: str, choices: list, usage_body) -> dict:
+    """The fields every completion / chat response and chunk shares."""
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body,
+    }
+
+
+def _choice(key: str, value, finish_reason: str | None) -> dict:
+    return {"index": 0, key: value, "finish_reason": finish_reason, "logprobs": None}
+
+
 def completion_body(
     request_id: str,
     model: str,
@@ -200,14 +216,10 @@ def completion_body(
     completion_tokens: int,
     created: int,
 ) -> dict:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+    choices = [_choice("text", text, finish_reason)]
+    return _envelope(
+        request_id, "text_completion", created, model, choices, usage(prompt_tokens, completion_tokens)
+    )
 
 
 def completion_chunk(
@@ -218,17 +230,8 @@ def completion_chunk(
     finish_reason: str | None = None,
     usage_body: dict | None = None,
 ) -> dict:
-    choices = (
-        [] if text is None else [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
-    )
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_body,
-    }
+    choices = [] if text is None else [_choice("text", text, finish_reason)]
+    return _envelope(request_id, "text_completion", created, model, choices, usage_body)
 
 
 def chat_body(
@@ -240,21 +243,10 @@ def chat_body(
     completion_tokens: int,
     created: int,
 ) -> dict:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-        ],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+    choices = [_choice("message", {"role": "assistant", "content": text}, finish_reason)]
+    return _envelope(
+        request_id, "chat.completion", created, model, choices, usage(prompt_tokens, completion_tokens)
+    )
 
 
 def chat_chunk(
@@ -265,16 +257,5 @@ def chat_chunk(
     finish_reason: str | None = None,
     usage_body: dict | None = None,
 ) -> dict:
-    choices = (
-        []
-        if delta is None
-        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-    )
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_body,
-    }
+    choices = [] if delta is None else [_choice("delta", delta, finish_reason)]
+    return _envelope(request_id, "chat.completion.chunk", created, model, choices, usage_body)
