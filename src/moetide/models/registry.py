@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from ..errors import UnsupportedModelError
 
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+_W1_W3_W2 = ("w1", "w3", "w2")
+
 
 @dataclass(frozen=True)
 class FamilyAdapter:
@@ -20,28 +23,36 @@ class FamilyAdapter:
     Attributes:
         model_type: `config.model_type` this adapter serves.
         display_name: what users call the family.
-        router_attr: attribute of the MoE block holding the router (returns `(logits, weights, ids)`).
         num_experts_attr / top_k_attr / expert_intermediate_attr: config fields.
-        expert_key_pattern: regex over checkpoint tensor names; groups `layer`, `expert`, `proj`.
+        router_attr: attribute of the MoE block holding the router (returns `(logits, weights, ids)`).
         proj_names: checkpoint projection names for (gate, up, down).
+        checkpoint_block: the MoE block's name in checkpoint tensor names (`mlp`, `block_sparse_moe`).
         checkpoint_renames: (checkpoint substring, model substring) pairs for non-expert tensors.
         shared_expert_attrs: MoE-block attributes of always-on shared experts (kept on the device).
+        expert_key_pattern (derived): regex over checkpoint tensor names; groups `layer`, `expert`, `proj`.
     """
 
     model_type: str
     display_name: str
-    router_attr: str
     num_experts_attr: str
-    top_k_attr: str
     expert_intermediate_attr: str
-    expert_key_pattern: str
-    proj_names: tuple[str, str, str]
+    router_attr: str = "gate"
+    top_k_attr: str = "num_experts_per_tok"
+    proj_names: tuple[str, str, str] = _GATE_UP_DOWN
+    checkpoint_block: str = "mlp"
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     shared_expert_attrs: tuple[str, ...] = ()
+    expert_key_pattern: str = field(init=False, compare=False)
     _compiled: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_compiled", re.compile(self.expert_key_pattern))
+        projs = "|".join(self.proj_names)
+        pattern = (
+            rf"model\.layers\.(?P<layer>\d+)\.{self.checkpoint_block}\.experts\.(?P<expert>\d+)"
+            rf"\.(?P<proj>{projs})\.weight"
+        )
+        object.__setattr__(self, "expert_key_pattern", pattern)
+        object.__setattr__(self, "_compiled", re.compile(pattern))
 
     def match_expert_key(self, name: str) -> tuple[int, int, str] | None:
         """`(layer, expert, "gate"|"up"|"down")` if `name` is a routed expert's tensor, else None."""
@@ -53,9 +64,8 @@ class FamilyAdapter:
 
     def expert_checkpoint_key(self, layer: int, expert: int, role: str) -> str:
         """The checkpoint name of one expert tensor (`role` in gate / up / down)."""
-        block = "block_sparse_moe" if self.checkpoint_renames else "mlp"
         proj = self.proj_names[("gate", "up", "down").index(role)]
-        return f"model.layers.{layer}.{block}.experts.{expert}.{proj}.weight"
+        return f"model.layers.{layer}.{self.checkpoint_block}.experts.{expert}.{proj}.weight"
 
     def checkpoint_key(self, model_key: str) -> str:
         """Inverse of `model_key`: the checkpoint name of a non-expert model parameter."""
@@ -79,81 +89,42 @@ class FamilyAdapter:
         return int(getattr(config, self.expert_intermediate_attr))
 
 
-def _pattern(block: str, projs: tuple[str, str, str]) -> str:
-    alternatives = "|".join(projs)
-    return (
-        rf"model\.layers\.(?P<layer>\d+)\.{block}\.experts\.(?P<expert>\d+)\.(?P<proj>{alternatives})\.weight"
-    )
-
-
-_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
-_W1_W3_W2 = ("w1", "w3", "w2")
-
 ADAPTERS: dict[str, FamilyAdapter] = {
     a.model_type: a
     for a in (
+        FamilyAdapter("qwen3_moe", "Qwen3-MoE", "num_experts", "moe_intermediate_size"),
         FamilyAdapter(
-            model_type="qwen3_moe",
-            display_name="Qwen3-MoE",
-            router_attr="gate",
-            num_experts_attr="num_experts",
-            top_k_attr="num_experts_per_tok",
-            expert_intermediate_attr="moe_intermediate_size",
-            expert_key_pattern=_pattern("mlp", _GATE_UP_DOWN),
-            proj_names=_GATE_UP_DOWN,
-        ),
-        FamilyAdapter(
-            model_type="qwen2_moe",
-            display_name="Qwen1.5-MoE / Qwen2-MoE",
-            router_attr="gate",
-            num_experts_attr="num_experts",
-            top_k_attr="num_experts_per_tok",
-            expert_intermediate_attr="moe_intermediate_size",
-            expert_key_pattern=_pattern("mlp", _GATE_UP_DOWN),
-            proj_names=_GATE_UP_DOWN,
+            "qwen2_moe",
+            "Qwen1.5-MoE / Qwen2-MoE",
+            "num_experts",
+            "moe_intermediate_size",
             shared_expert_attrs=("shared_expert", "shared_expert_gate"),
         ),
         FamilyAdapter(
-            model_type="mixtral",
-            display_name="Mixtral",
-            router_attr="gate",
-            num_experts_attr="num_local_experts",
-            top_k_attr="num_experts_per_tok",
-            expert_intermediate_attr="intermediate_size",
-            expert_key_pattern=_pattern("block_sparse_moe", _W1_W3_W2),
+            "mixtral",
+            "Mixtral",
+            "num_local_experts",
+            "intermediate_size",
             proj_names=_W1_W3_W2,
+            checkpoint_block="block_sparse_moe",
             checkpoint_renames=((".block_sparse_moe.", ".mlp."),),
         ),
+        FamilyAdapter("olmoe", "OLMoE", "num_experts", "intermediate_size"),
         FamilyAdapter(
-            model_type="olmoe",
-            display_name="OLMoE",
-            router_attr="gate",
-            num_experts_attr="num_experts",
-            top_k_attr="num_experts_per_tok",
-            expert_intermediate_attr="intermediate_size",
-            expert_key_pattern=_pattern("mlp", _GATE_UP_DOWN),
-            proj_names=_GATE_UP_DOWN,
-        ),
-        FamilyAdapter(
-            model_type="phimoe",
-            display_name="Phi-3.5-MoE",
+            "phimoe",
+            "Phi-3.5-MoE",
+            "num_local_experts",
+            "intermediate_size",
             router_attr="router",
-            num_experts_attr="num_local_experts",
-            top_k_attr="num_experts_per_tok",
-            expert_intermediate_attr="intermediate_size",
-            expert_key_pattern=_pattern("block_sparse_moe", _W1_W3_W2),
             proj_names=_W1_W3_W2,
+            checkpoint_block="block_sparse_moe",
             checkpoint_renames=((".block_sparse_moe.gate.", ".mlp.router."), (".block_sparse_moe.", ".mlp.")),
         ),
         FamilyAdapter(
-            model_type="deepseek_v2",
-            display_name="DeepSeek-V2",
-            router_attr="gate",
-            num_experts_attr="n_routed_experts",
-            top_k_attr="num_experts_per_tok",
-            expert_intermediate_attr="moe_intermediate_size",
-            expert_key_pattern=_pattern("mlp", _GATE_UP_DOWN),
-            proj_names=_GATE_UP_DOWN,
+            "deepseek_v2",
+            "DeepSeek-V2",
+            "n_routed_experts",
+            "moe_intermediate_size",
             shared_expert_attrs=("shared_experts",),
         ),
     )
