@@ -154,11 +154,12 @@ class ExpertMapStore:
         l = p.shape[0]
         if not 1 <= l <= self.num_layers or p.shape[1] != self.num_experts:
             raise ValueError(f"prefix must be (l, {self.num_experts}) with 1 <= l <= {self.num_layers}")
-        return torch.from_numpy(self._trajectory_scores_np(p))
+        return torch.from_numpy(self._trajectory_scores_np(p.numpy()))
 
-    def _trajectory_scores_np(self, prefix: torch.Tensor) -> np.ndarray:
-        """numpy body of `trajectory_scores` (a strided matrix-vector product over the stored prefixes)."""
-        q = prefix.numpy().reshape(-1)
+    def _trajectory_scores_np(self, prefix: np.ndarray) -> np.ndarray:
+        """numpy body of `trajectory_scores` (a strided matrix-vector product over the stored prefixes);
+        `prefix` (l, J) float32."""
+        q = prefix.reshape(-1)
         l = prefix.shape[0]
         with self._lock:
             n = self._size
@@ -187,15 +188,10 @@ class ExpertMapStore:
     def trajectory_search_np(self, prefix: np.ndarray) -> tuple[float, int] | None:
         """`trajectory_search` for the searcher's hot path: `prefix` (l, J) float32 numpy, no checks
         beyond the shapes numpy enforces."""
-        l = prefix.shape[0]
-        q = prefix.reshape(-1)
-        qnorm = float(np.sqrt(np.dot(q, q)))
         with self._lock:
-            n = self._size
-            if n == 0:
+            if self._size == 0:
                 return None
-            dots = self._maps.numpy()[:n, : l * self.num_experts] @ q
-            scores = dots / np.maximum(self._prefix_norms.numpy()[:n, l - 1] * qnorm, _EPS)
+            scores = self._trajectory_scores_np(prefix)
         row = int(np.argmax(scores))
         return float(scores[row]), row
 
