@@ -211,6 +211,42 @@ def add_residual_dropout(model, p: float) -> None:
         layer.mlp.register_forward_hook(hook)
 
 
+def grouped_mm_bf16_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Qwen3-MoE experts for training: transformers' `grouped_mm` forward with the weights cast to bf16.
+
+    transformers' own `grouped_mm` casts the *input* to the weight dtype, so with fp32 master weights
+    under autocast the grouped GEMMs run in fp32. Here the weights are cast instead (the cast is in the
+    autograd graph, so gradients still reach the fp32 parameters) and the GEMMs run in bf16.
+
+    hidden_states (T, H); top_k_index (T, k) int; top_k_weights (T, k) -> (T, H) in hidden_states' dtype.
+    gate_up_proj (E, 2I, H) and down_proj (E, H, I) are the module's fp32 parameters.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    num_tokens, top_k = top_k_index.shape
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))  # (S,), S = T*k, grouped by expert
+    x = hidden_states[perm // top_k].to(torch.bfloat16)  # (S, H)
+    counts = torch.histc(
+        expert_ids.int() if x.is_cuda else expert_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1
+    )
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert's group
+    gate_up = F.grouped_mm(x, self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1), offs=offsets)  # (S, 2I)
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = F.grouped_mm(self.act_fn(gate) * up, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offsets)
+    y = y.float() * top_k_weights.reshape(-1)[perm].float().unsqueeze(-1)  # (S, H) routing-weighted
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+    return y[inv_perm].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def register_training_experts() -> None:
+    """Make `grouped_mm_bf16` a valid `experts_implementation` (transformers' ExpertsInterface registry)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register("grouped_mm_bf16", grouped_mm_bf16_experts_forward)
+
+
 def make_config():
     from transformers import Qwen3MoeConfig
 
@@ -293,7 +329,8 @@ def stage_train(args, stats):
         return ce.detach(), out.aux_loss.detach()
 
     # --- experts implementation: quick microbench (fwd+bwd, no optimizer step), keep the fastest
-    impls = [args.experts_impl] if args.experts_impl != "auto" else ["grouped_mm", "eager"]
+    register_training_experts()
+    impls = [args.experts_impl] if args.experts_impl != "auto" else ["grouped_mm_bf16", "grouped_mm", "eager"]
     bench = {}
     if len(impls) > 1:
         for impl in impls:
@@ -818,7 +855,9 @@ def main(argv=None):
         help="keep an EMA of the weights (decay); ship it if its quick loss is lower",
     )
     ap.add_argument(
-        "--experts-impl", default="auto", help="auto (microbench) | grouped_mm | eager | batched_mm"
+        "--experts-impl",
+        default="auto",
+        help="auto (microbench of grouped_mm_bf16, grouped_mm, eager) | grouped_mm_bf16 | grouped_mm | eager | batched_mm",
     )
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every-s", type=float, default=45.0)

@@ -341,6 +341,12 @@ def test_bench_cli_end_to_end(qwen3_checkpoint, tmp_path):
         "3",
         "--max-input-len",
         "16",
+        "--hi",
+        "int4",
+        "--lo-kernel",
+        "dequant",
+        "--prefetch-distance",
+        "1",
         "--out",
         str(tmp_path),
         "--quiet",
@@ -351,6 +357,16 @@ def test_bench_cli_end_to_end(qwen3_checkpoint, tmp_path):
         r["error"] is None for r in rows
     )
     assert rows[1]["lo_runs"] is not None
+    # the engine options given to `moetide bench` reach every run's engine
+    run = json.loads((tmp_path / "runs" / f"{rows[1]['name']}.json").read_text())
+    assert run["engine_options"] == {
+        "on_miss": "lo",
+        "prefetch_distance": 1,
+        "hi_precision": "int4",
+        "host_versions": None,
+        "lo_kernel": "dequant",
+        "lo_kernel_max_tokens": 0,
+    }
     proc = run_cli("bench", "--model", str(qwen3_checkpoint), "--mode", "online", "--out", str(tmp_path))
     assert_one_line_error(proc, "--rate")
     proc = run_cli("bench", "--model", str(qwen3_checkpoint), "--policy", "fastest", "--out", str(tmp_path))

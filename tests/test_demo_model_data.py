@@ -161,3 +161,39 @@ def test_chat_template_and_end_of_turn(demo_tokenizer):
     if gen.exists():
         eos = json.loads(gen.read_text())["eos_token_id"]
         assert eot in (eos if isinstance(eos, list) else [eos])
+
+
+def test_training_experts_forward_matches_eager_loss_and_gradients():
+    """The training script's `grouped_mm_bf16` experts (bf16 grouped GEMMs on fp32 master weights) give
+    transformers' eager experts' loss and expert-weight gradients, to bf16 precision."""
+    import importlib.util
+
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no torch.nn.functional.grouped_mm")
+    path = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
+    spec = importlib.util.spec_from_file_location("train_demo_model", path)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    train.register_training_experts()
+    cfg = train.make_config()
+    cfg.num_hidden_layers = 2
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 48))
+    results = {}
+    for impl in ("eager", "grouped_mm_bf16"):
+        model.set_experts_implementation(impl)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        experts = model.model.layers[0].mlp.experts
+        results[impl] = (loss.item(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone())
+    (loss_e, gu_e, d_e), (loss_g, gu_g, d_g) = results["eager"], results["grouped_mm_bf16"]
+    assert loss_g == pytest.approx(loss_e, abs=2e-3)
+    for ref, got in ((gu_e, gu_g), (d_e, d_g)):
+        assert ref.abs().max() > 0
+        assert (got - ref).abs().max() <= 0.03 * ref.abs().max()

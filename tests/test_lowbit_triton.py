@@ -248,7 +248,7 @@ def test_grouped_engine_triton_equals_dequant(kernel, tiny_olmoe, monkeypatch, p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["int4", "int2"])
-@pytest.mark.parametrize("num_tokens", [1, 4, 8])
+@pytest.mark.parametrize("num_tokens", [1, 4, 8, 32])
 def test_grouped_kernel_olmoe_shape_on_cuda(kernel, precision, num_tokens):
     """OLMoE experts (H 2048, I 1024, top-8 of 64) in bf16: the kernel against dequantize + bmm
     (the engine's current path) and against float64."""

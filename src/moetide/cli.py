@@ -80,12 +80,19 @@ def engine_config_from_args(args) -> EngineConfig:
         prefetch_distance=args.prefetch_distance,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
-        hi_precision="hi" if args.hi_precision == "bf16" else args.hi_precision,
-        host_versions=None
+        **precision_options_from_args(args),
+    )
+
+
+def precision_options_from_args(args) -> dict:
+    """The `EngineConfig` fields of --hi, --host-versions and --lo-kernel (shared with `moetide bench`)."""
+    return {
+        "hi_precision": "hi" if args.hi_precision == "bf16" else args.hi_precision,
+        "host_versions": None
         if args.host_versions is None
         else tuple(v for v in args.host_versions.split(",") if v),
-        lo_kernel=args.lo_kernel,
-    )
+        "lo_kernel": args.lo_kernel,
+    }
 
 
 # -- generate --------------------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ def register_cli(subparsers) -> None:
 def cmd_bench(args) -> int:
     if args.record_trace:
         return _record(args)
+    from ..cli import precision_options_from_args
     from .sweep import BenchSpec, run_sweep
 
     policies = _list(args.policy)
@@ -144,6 +145,7 @@ def cmd_bench(args) -> int:
         lo_precision=args.lo_precision,
         on_miss=args.on_miss,
         prefetch_distance=args.prefetch_distance,
+        precision_options=precision_options_from_args(args),
         seed=args.seed,
         out=args.out,
         command="moetide " + " ".join(shlex.quote(a) for a in sys.argv[1:]),

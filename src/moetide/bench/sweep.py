@@ -74,6 +74,7 @@ class BenchSpec:
     lo_precision: str = "auto"
     on_miss: str = "lo"
     prefetch_distance: int = 2
+    precision_options: dict = field(default_factory=dict)  # EngineConfig's hi_precision, host_versions, lo_kernel
     seed: int = 0
     out: str = "bench-out"
     command: str = ""
@@ -275,6 +276,7 @@ def _engine_config(spec: BenchSpec, plan: Plan, run: dict) -> EngineConfig:
         max_model_len=max_len,
         kv_cache_tokens=bs * max_len,  # what this batch needs, reserved inside the budget
         seed=spec.seed,
+        **spec.precision_options,
     )
     return dataclasses.replace(base, gpu_memory_bytes=resolve_budget(run["gpu_memory"], base))
 
