@@ -4,7 +4,9 @@
 Demo model, a budget where every expert fits (so prefetches move nothing and only the policy's own
 cost differs), the map store warmed from held-out conversations 0..W-1, measured on W..W+N-1:
   - decode step time with FineMoE attached (forward hooks publish, the searcher thread searches)
-    and with the hooks removed (same residency, same prompts);
+    and with the hooks switched off (same residency, same prompts). Every prompt is decoded once
+    untimed first (first-use costs of each sequence length), then both ways, in alternating order;
+  - the forward thread's time inside the policy hooks, per decode step;
   - the searcher thread's busy time (sum of its search times) over the measured wall time.
 
     python scripts/bench_searcher.py --out results.json [--device cuda]
@@ -74,15 +76,24 @@ def main() -> int:
     inserted = policy.warm_up(trace)
     warm_s = time.perf_counter() - t0
 
-    policy.search_time_s = 0.0
-    start = time.perf_counter()
-    with_policy = timed_decode(llm, test, args.new_tokens)
-    wall = time.perf_counter() - start
+    hooks = llm.loaded.policy_hooks
+    timed_decode(llm, test, args.new_tokens)  # untimed: first-use costs of every sequence length
     policy.drain()
+    with_policy, without = [], []
+    hook_s = busy = wall = 0.0
+    for i, ids in enumerate(test):
+        for enabled in (True, False) if i % 2 == 0 else (False, True):  # alternate the order
+            hooks.enabled = enabled
+            if enabled:
+                policy.search_time_s, hook_before, start = 0.0, hooks.hook_time_s, time.perf_counter()
+                with_policy += timed_decode(llm, [ids], args.new_tokens)
+                wall += time.perf_counter() - start
+                policy.drain()
+                busy += policy.search_time_s
+                hook_s += hooks.hook_time_s - hook_before
+            else:
+                without += timed_decode(llm, [ids], args.new_tokens)
     stats = policy.stats()
-    busy = policy.search_time_s
-    llm.loaded.policy_hooks.remove()
-    without = timed_decode(llm, test, args.new_tokens)
 
     step_with, step_without = statistics.median(with_policy), statistics.median(without)
     result = {
@@ -94,6 +105,8 @@ def main() -> int:
         "decode_step_ms_with_finemoe": 1e3 * step_with,
         "decode_step_ms_without_policy": 1e3 * step_without,
         "forward_overhead_share": (step_with - step_without) / step_without,
+        "hook_ms_per_step": 1e3 * hook_s / (len(with_policy) + len(test)),
+        "decode_steps_each": len(with_policy),
         "searcher_busy_share_of_wall": busy / wall,
         "mean_search_us": stats["mean_search_us"],
         "searches": stats["semantic_searches"] + stats["trajectory_searches"],

@@ -306,3 +306,30 @@ def test_observations_published_after_the_runtimes_sync_equal_the_eager_ones(pol
         if got[0] == "layer":
             torch.testing.assert_close(got[2], want[2])
             assert torch.equal(got[3], want[3])
+
+
+def test_switched_off_hooks_show_the_policies_nothing_and_count_their_time():
+    """`PolicyHooks.enabled = False` (how bench_searcher.py measures the engine without the policy)
+    publishes nothing, on both the runtime path and the eager path; switched on, every step is shown
+    again and the forward thread's time in the hooks is counted."""
+    import moetide
+
+    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="0.5GiB")
+    try:
+        llm.loaded.policy_hooks.remove()
+        params = moetide.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        layers = len(llm.loaded.moe_layers)
+        for runtime in (llm.loaded.runtime, None):
+            log = ObservationLog()
+            hooks = PolicyHooks(llm.loaded.model, llm.loaded.adapter, [log], runtime=runtime)
+            try:
+                hooks.enabled = False
+                llm.generate(["def add(a, b):"], params)
+                assert log.events == [] and hooks.hook_time_s == 0.0
+                hooks.enabled = True
+                llm.generate(["def add(a, b):"], params)
+                assert len(log.events) == 3 * (layers + 2) and hooks.hook_time_s > 0
+            finally:
+                hooks.remove()
+    finally:
+        llm.close()

@@ -64,6 +64,8 @@ class PolicyHooks:
         self.policies = list(policies)
         self.request_ids: tuple[int, ...] = ()
         self.iteration = 0
+        self.enabled = True  # False: every hook returns at once (the policies see nothing)
+        self.hook_time_s = 0.0  # forward-thread seconds spent inside these hooks
         layers = moe_layers(hf_model, adapter)
         if not layers:
             raise ValueError(f"no MoE block with a '{adapter.router_attr}' router in this model")
@@ -87,17 +89,28 @@ class PolicyHooks:
         self._handles.append(decoder.register_forward_hook(self._on_decoder_done))
 
     def _on_embedding(self, module, inputs, output) -> None:
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
         self._flush_pending()
         self.iteration += 1
         h = output.detach().reshape(-1, output.shape[-1])
         pooled = h.float().mean(dim=0).cpu()
         for p in self.policies:
             p.begin_iteration(self.iteration, pooled, h.shape[0], request_ids=self.request_ids)
+        self.hook_time_s += time.perf_counter() - t0
 
     def _router_hook(self, ordinal: int):
         def hook(module, inputs, output) -> None:
-            if self._speculating:
+            if self._speculating or not self.enabled:
                 return
+            t0 = time.perf_counter()
+            try:
+                observe(inputs, output)
+            finally:
+                self.hook_time_s += time.perf_counter() - t0
+
+        def observe(inputs, output) -> None:
             logits, _, top_k_index = output
             if self._runtime is not None:
                 self._flush_pending()
@@ -135,9 +148,11 @@ class PolicyHooks:
         pending = self._pending
         if pending is None or pending[0] != self.iteration or pending[1] != ordinal:
             return
+        t0 = time.perf_counter()
         self._pending = None
         ids = ids_cpu.reshape(-1, ids_cpu.shape[-1])
         self._publish(ordinal, _mean_gate_probs(pending[2]), ids)
+        self.hook_time_s += time.perf_counter() - t0
 
     def _flush_pending(self) -> None:
         """Publish a layer the runtime computed without a host sync (so it never called back)."""
@@ -150,9 +165,13 @@ class PolicyHooks:
         self._publish(ordinal, _mean_gate_probs(host_logits), ids)
 
     def _on_decoder_done(self, module, inputs, output) -> None:
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
         self._flush_pending()
         for p in self.policies:
             p.end_iteration(self.iteration)
+        self.hook_time_s += time.perf_counter() - t0
 
     def remove(self) -> None:
         if self._runtime is not None and self._runtime.on_host_ids == self._on_host_ids:
