@@ -62,7 +62,9 @@ def main() -> None:
     t0 = time.perf_counter()
     run(1 + args.steps)
     per_step = (time.perf_counter() - t0) / args.steps
-    print(f"searcher CPU time: {per_step * 1e6:.0f} us per step (begin + {L} layers + end), {len(store)} maps")
+    print(
+        f"searcher CPU time: {per_step * 1e6:.0f} us per step (begin + {L} layers + end), {len(store)} maps"
+    )
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

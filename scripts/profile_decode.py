@@ -69,7 +69,9 @@ def profile_policy(ckpt: Path, policy: str, args) -> dict:
         if torch.cuda.is_available()
         else ""
     )
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    launches = sum(
+        e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+    )
     syncs = sum(e.count for e in events if "Synchronize" in e.key or e.key == "cudaMemcpyAsync")
     cuda_total_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e3
     py = cProfile.Profile()
@@ -84,7 +86,10 @@ def profile_policy(ckpt: Path, policy: str, args) -> dict:
     llm.close()
     return {
         "policy": policy,
-        "decode_step_ms": {"p50": round(sorted(times)[len(times) // 2], 2), "all": [round(t, 2) for t in times]},
+        "decode_step_ms": {
+            "p50": round(sorted(times)[len(times) // 2], 2),
+            "all": [round(t, 2) for t in times],
+        },
         "per_step_kernel_launches": launches / 3,
         "per_step_sync_or_copy_calls": syncs / 3,
         "per_step_device_busy_ms": round(cuda_total_ms / 3, 2),

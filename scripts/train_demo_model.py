@@ -228,12 +228,17 @@ def grouped_mm_bf16_experts_forward(self, hidden_states, top_k_index, top_k_weig
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))  # (S,), S = T*k, grouped by expert
     x = hidden_states[perm // top_k].to(torch.bfloat16)  # (S, H)
     counts = torch.histc(
-        expert_ids.int() if x.is_cuda else expert_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1
+        expert_ids.int() if x.is_cuda else expert_ids.float(),
+        bins=self.num_experts,
+        min=0,
+        max=self.num_experts - 1,
     )
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end row of each expert's group
     gate_up = F.grouped_mm(x, self.gate_up_proj.to(torch.bfloat16).transpose(-2, -1), offs=offsets)  # (S, 2I)
     gate, up = gate_up.chunk(2, dim=-1)
-    y = F.grouped_mm(self.act_fn(gate) * up, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offsets)
+    y = F.grouped_mm(
+        self.act_fn(gate) * up, self.down_proj.to(torch.bfloat16).transpose(-2, -1), offs=offsets
+    )
     y = y.float() * top_k_weights.reshape(-1)[perm].float().unsqueeze(-1)  # (S, H) routing-weighted
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)

@@ -124,3 +124,22 @@ def test_cuda_bf16_parity(tiny_checkpoints, family):
     rel = (got - expected).norm() / expected.norm()
     assert rel < 1e-2, rel
     assert (got - expected).abs().max() < 5e-2
+
+
+def test_engine_forwards_never_use_cudnn_attention(qwen3_checkpoint):
+    """Every engine forward (prefill and decode) runs with cuDNN's attention backend switched off
+    (it builds a graph per KV length, so each decode step paid a new build), and the process's
+    setting is restored afterwards."""
+    llm = moetide.LLM(qwen3_checkpoint, device="cpu")
+    seen = []
+    handle = llm.loaded.model.register_forward_pre_hook(
+        lambda module, args: seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+    )
+    try:
+        before = torch.backends.cuda.cudnn_sdp_enabled()
+        llm.generate([[5, 6, 7]], moetide.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    finally:
+        handle.remove()
+        llm.close()
+    assert len(seen) == 3 and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

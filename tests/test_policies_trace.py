@@ -304,7 +304,10 @@ def test_observations_published_after_the_runtimes_sync_equal_the_eager_ones(pol
     for got, want in zip(deferred, eager, strict=True):
         assert got[:2] == want[:2]
         if got[0] == "layer":
-            torch.testing.assert_close(got[2], want[2])
+            # on CUDA the two runs' bf16 forwards may differ in the last bits (kernel choice, atomics;
+            # run 9 saw 6e-4 on one probability), so probabilities are compared to bf16 precision there
+            tol = {} if device == "cpu" else {"atol": 2e-3, "rtol": 2e-2}
+            torch.testing.assert_close(got[2], want[2], **tol)
             assert torch.equal(got[3], want[3])
 
 

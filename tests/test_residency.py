@@ -179,15 +179,72 @@ def test_prefetch_turns_a_miss_into_a_hit():
     manager.close()
 
 
-def test_protected_experts_are_not_evicted():
+def _resident(manager, layer):
+    return {e for e in range(EXPERTS) if "hi" in manager.handles[layer][e].versions}
+
+
+def test_protected_experts_are_not_evicted_until_their_layer_has_run():
     manager = make_manager("hi-cache", 3, 0)
     x = torch.randn(2, HIDDEN)
     manager.begin_iteration(1)
     run_forward(manager, 0, [0, 1, 2], x)  # pool full, LRU order 0, 1, 2
-    manager.protect(0, [0], iteration=1)
+    manager.begin_iteration(2)
+    manager.protect(0, [0], iteration=2)
     run_forward(manager, 0, [7], x)  # needs a slot: 0 is oldest but protected, 1 goes
-    resident = {e for e in range(EXPERTS) if "hi" in manager.handles[0][e].versions}
-    assert resident == {0, 2, 7}
+    assert _resident(manager, 0) == {0, 2, 7}
+    # layer 0 has run in iteration 2: its protection has served, so 0 (least recent) goes next
+    run_forward(manager, 0, [5], x)
+    assert _resident(manager, 0) == {2, 5, 7}
+    # a protection that arrives after its layer ran in this iteration is ignored
+    manager.protect(0, [2], iteration=2)
+    run_forward(manager, 0, [6], x)
+    assert _resident(manager, 0) == {5, 6, 7}
+    manager.close()
+
+
+def test_a_landed_prefetch_that_was_never_used_can_be_evicted_by_the_next_prefetch():
+    """Wrong predictions must not pin the cache: an unused prefetched version whose copy has landed
+    is as evictable as any other (before the fix it stayed unpublished, so later prefetches were
+    deferred instead)."""
+    manager = make_manager("hi-cache", 3, 0, bandwidth=None)
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    manager.prefetch(1, [3, 5], iteration=1)
+    run_forward(manager, 0, [0], x)  # demand 0, then the prefetches of layer 1 are issued
+    for e in (3, 5):
+        manager.handles[1][e].versions["hi"].ready.synchronize()
+    manager.begin_iteration(2)
+    manager.protect(0, [0], iteration=2)  # so the only candidates are the two unused prefetches
+    manager.prefetch(1, [6], iteration=2)  # the next prediction: 3 and 5 were wrong
+    run_forward(manager, 0, [0], x)
+    assert manager.metrics.deferred == 0
+    assert 6 in _resident(manager, 1) and len(_resident(manager, 1)) == 2
+    manager.close()
+
+
+def test_prefetches_for_later_layers_never_evict_the_running_layers_experts():
+    manager = make_manager("hi-cache", 3, 0, bandwidth=None)
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    run_forward(manager, 0, [0, 1], x)
+    run_forward(manager, 1, [4], x)  # LRU order: (0,0), (0,1), (1,4)
+    manager.begin_iteration(2)
+    manager.prefetch(1, [6, 7], iteration=2)
+    misses = manager.metrics.layers[0].misses
+    run_forward(manager, 0, [0, 1], x)  # both hits: the prefetches wait until after this layer's demand
+    assert manager.metrics.layers[0].misses == misses
+    assert _resident(manager, 0) == {0, 1}
+    manager.close()
+
+
+def test_prefetches_are_not_rate_limited():
+    manager = make_manager("hi-cache", 12, 0, bandwidth=None)
+    manager.options = type(manager.options)(**{**manager.options.__dict__, "max_background_copies": 2})
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    manager.prefetch(1, list(range(EXPERTS)), iteration=1)  # more than max_background_copies
+    run_forward(manager, 0, [0], x)
+    assert manager.metrics.copies == 1 + EXPERTS  # the demand load and every prefetch
     manager.close()
 
 
@@ -273,11 +330,12 @@ def test_hi_resident_outputs_equal_the_foundation(tiny_checkpoints, policy):
             for e in range(res.store.num_experts):
                 res.set_precision(layer, e, "hi")
         res.options = type(res.options)(**{**res.options.__dict__, "max_background_copies": 10_000})
-        res.acquire(0, [0], torch.device("cpu"))
+        res.acquire(0, [0], torch.device("cpu"))  # issues the promotions (after its own demand)
         res.release(0, [0])
         for row in res.handles:
             for h in row:
                 h.versions["hi"].ready.synchronize()
+        llm.metrics.reset()
     ids = torch.randint(5, 90, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(llm.loaded.model(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)

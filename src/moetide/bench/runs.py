@@ -201,7 +201,9 @@ def run_moetide(
                 "host_versions": list(config.host_versions) if config.host_versions is not None else None,
                 "lo_kernel": config.lo_kernel,
                 # the largest decode batch the fused lo kernel computes (0: dequant everywhere)
-                "lo_kernel_max_tokens": loaded.runtime.lowbit_max_tokens if loaded.runtime.lowbit_kernel else 0,
+                "lo_kernel_max_tokens": loaded.runtime.lowbit_max_tokens
+                if loaded.runtime.lowbit_kernel
+                else 0,
             },
             "plan": plan.describe() if plan is not None else None,
             "hi_slots": plan.hi_slots if plan is not None else None,

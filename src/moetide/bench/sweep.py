@@ -74,7 +74,9 @@ class BenchSpec:
     lo_precision: str = "auto"
     on_miss: str = "lo"
     prefetch_distance: int = 2
-    precision_options: dict = field(default_factory=dict)  # EngineConfig's hi_precision, host_versions, lo_kernel
+    precision_options: dict = field(
+        default_factory=dict
+    )  # EngineConfig's hi_precision, host_versions, lo_kernel
     seed: int = 0
     out: str = "bench-out"
     command: str = ""

@@ -90,6 +90,7 @@ class PolicyHooks:
 
     def _on_embedding(self, module, inputs, output) -> None:
         if not self.enabled:
+            self.iteration += 1  # keep counting forwards: iterations stay those of the runtime
             return
         t0 = time.perf_counter()
         self._flush_pending()

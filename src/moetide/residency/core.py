@@ -85,6 +85,7 @@ class ResidencyManager:
         self._prefetch_queue: deque = deque()  # (iteration, layer, expert)
         self._precision_queue: OrderedDict = OrderedDict()  # (layer, expert) -> "hi" | "lo"
         self._protected: dict[tuple[int, int], int] = {}  # (layer, expert) -> iteration
+        self._layers_done = -1  # the last layer acquired in this iteration (its protection has served)
         self.iteration = 0
         self._tick = 0
         self._hi_groups = None
@@ -113,6 +114,7 @@ class ResidencyManager:
     # -- iteration bookkeeping ----------------------------------------------------------------------
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
+        self._layers_done = -1
         stale = self.iteration - self.options.protect_iterations
         self._protected = {k: it for k, it in self._protected.items() if it > stale}
 
@@ -126,6 +128,8 @@ class ResidencyManager:
                 self._prefetch_queue.extend((arg, layer, e) for e in what)
                 self.metrics.bump("prefetches_issued", len(what))
             elif kind == "protect":
+                if arg == self.iteration and layer <= self._layers_done:
+                    continue  # that layer has already run in this iteration: nothing left to spare it for
                 for e in what:
                     self._protected[(layer, e)] = arg
             else:
@@ -169,7 +173,7 @@ class ResidencyManager:
             h = self.handles[layer][expert]
             if h.in_use or (protect_all and (layer, expert) in self._protected):
                 continue
-            if not h.versions[pool].published:
+            if not self._publish_if_ready(h.versions[pool]):  # a landed prefetch is evictable too
                 continue
             if not prefer_cold or h.target == "lo":
                 return h
@@ -241,25 +245,39 @@ class ResidencyManager:
             version.published = True
         return version.published
 
+    def _issue_prefetch(self, iteration: int, layer: int, expert: int) -> bool:
+        """Start one queued prefetch; True if it started a copy. Requests older than the previous
+        iteration, or for a layer that has already run in this one, are dropped."""
+        if iteration < self.iteration - 1 or (iteration == self.iteration and layer <= self._layers_done):
+            return False
+        h = self.handles[layer][expert]
+        pool = "hi" if self.pools["hi"].num_slots else "lo"
+        if pool in h.versions:
+            self._touch(h, pool)
+            return False
+        slot = self._take_slot(pool, may_evict=True, may_wait=False)
+        if slot is None:
+            self.metrics.bump("deferred")
+            return False
+        self._start_copy(h, pool, slot, PRIORITY_PREFETCH).prefetched = True
+        return True
+
+    def _issue_prefetches_for(self, layer: int) -> None:
+        """Before `layer`'s own demand: the queued prefetches that target it (semantic predictions of
+        the first layers, or ones the searcher published late), ahead of the rest of the queue."""
+        mine = [r for r in self._prefetch_queue if r[1] == layer]
+        if not mine:
+            return
+        self._prefetch_queue = deque(r for r in self._prefetch_queue if r[1] != layer)
+        for request in mine:
+            self._issue_prefetch(*request)
+
     def _issue_background(self) -> None:
-        """Issue queued prefetches, then precision changes, up to the per-layer rate limit."""
+        """Issue every queued prefetch (the policy sized them: FineMoE's delta), then precision changes
+        up to the per-layer rate limit."""
+        while self._prefetch_queue:
+            self._issue_prefetch(*self._prefetch_queue.popleft())
         budget = self.options.max_background_copies
-        stale = self.iteration - 1
-        while budget > 0 and self._prefetch_queue:
-            iteration, layer, expert = self._prefetch_queue.popleft()
-            if iteration < stale:
-                continue
-            h = self.handles[layer][expert]
-            pool = "hi" if self.pools["hi"].num_slots else "lo"
-            if pool in h.versions:
-                self._touch(h, pool)
-                continue
-            slot = self._take_slot(pool, may_evict=True, may_wait=False)
-            if slot is None:
-                self.metrics.bump("deferred")
-                continue
-            self._start_copy(h, pool, slot, PRIORITY_PREFETCH).prefetched = True
-            budget -= 1
         while budget > 0 and self._precision_queue:
             (layer, expert), target = self._precision_queue.popitem(last=False)
             h = self.handles[layer][expert]
@@ -292,7 +310,7 @@ class ResidencyManager:
         the second list is non-empty only when the pools cannot hold all of them at once (the caller
         computes what it got, releases it, and asks again)."""
         self._drain_requests()
-        self._issue_background()
+        self._issue_prefetches_for(layer)
         counters = self.metrics.layers[layer]
         resolved: dict[int, DeviceVersion] = {}
         remaining: list[int] = []
@@ -321,12 +339,21 @@ class ResidencyManager:
                 counters.lo_runs += 1
             resolved[e] = version
         counters.used += len(resolved)
+        self._end_protection(layer)
+        self._issue_background()
         self.metrics.peak_device_bytes = max(self.metrics.peak_device_bytes, self.budget.peak_bytes)
         if not resolved and remaining:
             raise BudgetError(
                 f"no expert slot can be freed for layer {layer}: the memory budget is too small"
             )
         return resolved, remaining
+
+    def _end_protection(self, layer: int) -> None:
+        """`layer` has run in this iteration: its experts' protection has served (FineMoE spares the
+        experts predicted for what is still to come in the iteration, not those already used)."""
+        self._layers_done = max(self._layers_done, layer)
+        for key in [k for k, it in self._protected.items() if k[0] == layer and it <= self.iteration]:
+            del self._protected[key]
 
     def _usable(self, h: ExpertHandle, demand_pool: str, counters) -> DeviceVersion | None:
         """A version of `h` to run now without a demand copy (counted as a hit); None on a miss."""
