@@ -2,8 +2,10 @@
 
 All state changes happen on the forward thread, inside `acquire` (start of each MoE layer), so no
 lock guards the handles. Policies (possibly on their own threads) only enqueue requests through the
-`ExpertSink` methods; `acquire` drains them, issues at most `max_background_copies` of them per
-layer (the migration rate limit), and then makes the layer's experts resident:
+`ExpertSink` methods; `acquire` drains them, issues the prefetches that target its own layer, makes
+the layer's experts resident, ends the layer's protection, and then issues the prefetches for later
+layers (which can no longer evict an expert the layer runs) and at most `max_background_copies`
+precision changes (the migration rate limit):
 
     hit            the wanted version is published                   -> use it
     late prefetch  a prefetch copy is in flight                      -> wait for its event (stall)
@@ -40,7 +42,9 @@ class ResidencyOptions:
     mode: memory mode of `plan_memory` ("all-hi", "all-lo", "hi-cache", "lo+hi").
     lo_precision: precision of lo versions ("int4" or "int2").
     on_miss: "stall" (load the demand precision) or "lo" (run a published lo version instead).
-    max_background_copies: prefetch/promotion copies issued per layer at most (migration rate limit).
+    max_background_copies: precision changes (promotions) issued per layer at most (migration rate
+        limit). Prefetches are not limited: the policy sized them (FineMoE's delta), and a cap left
+        them queued until they were stale (measured: more copies, fewer of them used).
     protect_iterations: a `protect` request holds for this many iterations.
     """
 
