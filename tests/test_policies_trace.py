@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -334,5 +335,23 @@ def test_switched_off_hooks_show_the_policies_nothing_and_count_their_time():
                 assert len(log.events) == 3 * (layers + 2) and hooks.hook_time_s > 0
             finally:
                 hooks.remove()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize(
+    ("policy", "eviction"), [("finemoe", "prob-freq"), ("combined", "prob-freq"), ("lru", "lru")]
+)
+def test_the_engine_evicts_by_the_policys_rule_and_sees_the_gate_probabilities(policy, eviction):
+    import moetide
+
+    llm = moetide.LLM(device="cpu", policy=policy, gpu_memory="0.5GiB")
+    try:
+        residency = llm.loaded.runtime.residency
+        assert residency.options.eviction == eviction
+        llm.generate(["def add(a, b):"], moetide.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        residency._drain_requests()
+        # every layer's observed gate distribution reached the residency
+        assert (residency._prob.sum(axis=1) > 0.5).all()
     finally:
         llm.close()

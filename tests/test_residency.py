@@ -436,3 +436,29 @@ def test_the_engine_reserves_spare_budget_for_kv_unless_told_a_size():
         assert llm.loaded.runtime.residency.plan.fixed.kv_cache_tokens == llm.engine.kv_cache_tokens == 4096
     finally:
         llm.close()
+
+
+def test_prob_freq_eviction_ranks_by_probability_times_visits_then_lru():
+    """FineMoE's rule: the resident expert with the lowest probability x visit count goes first
+    (ties: least recently used); plain LRU would evict the oldest."""
+    from dataclasses import replace
+
+    manager = make_manager("hi-cache", 3, 0, bandwidth=None)
+    manager.options = replace(manager.options, eviction="prob-freq")
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    run_forward(manager, 0, [0, 1, 2], x)  # LRU order 0, 1, 2; one visit each
+    manager.begin_iteration(2)
+    run_forward(manager, 0, [0], x)  # expert 0: two visits, now the most recent
+    manager.observe_gate_probs(0, torch.tensor([0.3, 0.4, 0.1, 0, 0, 0, 0, 0.2]))
+    manager.begin_iteration(3)
+    run_forward(manager, 0, [7], x)  # scores 0: 0.6, 1: 0.4, 2: 0.1 -> 2 goes (LRU would evict 1)
+    assert _resident(manager, 0) == {0, 1, 7}
+    manager.observe_gate_probs(0, torch.tensor([0.05, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9]))
+    manager.prefetch(0, [1], iteration=3, priorities=[0.01])  # a newer prediction lowers 1's estimate
+    manager.begin_iteration(4)
+    run_forward(manager, 0, [3], x)  # scores 0: 0.1, 1: 0.01, 7: 0.9 -> 1 goes (0 would by observation)
+    assert _resident(manager, 0) == {0, 3, 7}
+    with pytest.raises(ValueError, match="eviction"):
+        replace(manager.options, eviction="random")
+    manager.close()

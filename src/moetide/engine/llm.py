@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import EngineConfig, parse_bytes
@@ -81,6 +81,8 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         map_store_path=config.extra.get("map_store_path"),
     )
     loaded.policy = policy
+    eviction = getattr(policy, "preferred_eviction", "lru")  # FineMoE (and combined): prob-freq
+    residency.options = replace(residency.options, eviction=eviction)
     loaded.policy_hooks = PolicyHooks(
         loaded.model, loaded.adapter, [policy], sink=residency, runtime=loaded.runtime
     )

@@ -74,6 +74,7 @@ class PolicyHooks:
         config = hf_model.config
         num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
         sink = sink if sink is not None else NullSink()
+        self._observe_sink = getattr(sink, "observe_gate_probs", None)  # prob-freq eviction's input
         for p in self.policies:
             p.attach(sink, len(self.routers), num_experts, top_k)
         self._distances = sorted({d for p in self.policies for d in getattr(p, "speculative_distances", ())})
@@ -142,6 +143,8 @@ class PolicyHooks:
     def _publish(self, ordinal: int, probs: torch.Tensor, ids: torch.Tensor) -> None:
         for p in self.policies:
             p.observe_layer(self.iteration, ordinal, probs, ids)
+        if self._observe_sink is not None:
+            self._observe_sink(ordinal, probs.numpy())
 
     def _on_host_ids(self, ordinal: int, ids_cpu: torch.Tensor) -> None:
         """The runtime's callback after its host copy of layer `ordinal`'s top-k ids (a device sync,

@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import BudgetError
@@ -46,6 +47,9 @@ class ResidencyOptions:
         limit). Prefetches are not limited: the policy sized them (FineMoE's delta), and a cap left
         them queued until they were stale (measured: more copies, fewer of them used).
     protect_iterations: a `protect` request holds for this many iterations.
+    eviction: "lru", or "prob-freq" (FineMoE's rule: the lowest probability x visit count goes first,
+        probability being the latest estimate for the expert, from a prefetch's predicted priority or
+        the gate probability observed when its layer last ran; ties by LRU).
     """
 
     mode: str = "hi-cache"
@@ -54,6 +58,14 @@ class ResidencyOptions:
     max_background_copies: int = 8
     protect_iterations: int = 1
     hi_precision: str = "hi"  # the version the hi pool holds: "hi" (checkpoint precision) or "int4"
+    eviction: str = "lru"
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTION_RULES:
+            raise ValueError(f"eviction must be one of {EVICTION_RULES}, got {self.eviction!r}")
+
+
+EVICTION_RULES = ("lru", "prob-freq")
 
 
 class ResidencyManager:
@@ -89,6 +101,9 @@ class ResidencyManager:
         self._prefetch_queue: deque = deque()  # (iteration, layer, expert)
         self._precision_queue: OrderedDict = OrderedDict()  # (layer, expert) -> "hi" | "lo"
         self._protected: dict[tuple[int, int], int] = {}  # (layer, expert) -> iteration
+        # prob-freq eviction: latest probability estimate and uses of each (layer, expert), (L, E)
+        self._prob = np.zeros((store.num_layers, store.num_experts), dtype=np.float32)
+        self._visits = np.zeros((store.num_layers, store.num_experts), dtype=np.int64)
         self._layers_done = -1  # the last layer acquired in this iteration (its protection has served)
         self.iteration = 0
         self._tick = 0
@@ -107,7 +122,13 @@ class ResidencyManager:
         return self.plan.hi_slots
 
     def prefetch(self, layer: int, experts: list[int], *, iteration: int, priorities=None) -> None:
+        if priorities is not None:
+            self._requests.put(("probability", layer, tuple(experts), tuple(priorities)))
         self._requests.put(("prefetch", layer, tuple(experts), iteration))
+
+    def observe_gate_probs(self, layer: int, probs) -> None:
+        """The mean gate probabilities `(E,)` of `layer` in the running step (for prob-freq eviction)."""
+        self._requests.put(("observed", layer, None, np.asarray(probs, dtype=np.float32)))
 
     def protect(self, layer: int, experts: list[int], *, iteration: int) -> None:
         self._requests.put(("protect", layer, tuple(experts), iteration))
@@ -131,6 +152,10 @@ class ResidencyManager:
             if kind == "prefetch":
                 self._prefetch_queue.extend((arg, layer, e) for e in what)
                 self.metrics.bump("prefetches_issued", len(what))
+            elif kind == "probability":
+                self._prob[layer, list(what)] = arg
+            elif kind == "observed":
+                self._prob[layer] = arg
             elif kind == "protect":
                 if arg == self.iteration and layer <= self._layers_done:
                     continue  # that layer has already run in this iteration: nothing left to spare it for
@@ -168,22 +193,30 @@ class ResidencyManager:
         self.metrics.bump("evictions")
 
     def _victim(self, pool: str, *, protect_all: bool) -> ExpertHandle | None:
-        """Least recently used evictable version in `pool` (published, not in use, not protected when
-        `protect_all`). In the hi pool of the lo+hi mode, versions the precision policy wants cold
-        (target lo) go first."""
+        """The evictable version in `pool` (landed, not in use, not protected when `protect_all`) that
+        the eviction rule ranks first: least recently used, or with "prob-freq" the lowest probability
+        x visits (ties: least recently used). In the hi pool of the lo+hi mode, versions the
+        precision policy wants cold (target lo) go first."""
         prefer_cold = pool == "hi" and self.options.mode == "lo+hi"
-        fallback = None
+        by_score = self.options.eviction == "prob-freq"
+        best = {True: None, False: None}  # cold?, -> (score, handle)
         for layer, expert in self._lru[pool]:
             h = self.handles[layer][expert]
             if h.in_use or (protect_all and (layer, expert) in self._protected):
                 continue
             if not self._publish_if_ready(h.versions[pool]):  # a landed prefetch is evictable too
                 continue
-            if not prefer_cold or h.target == "lo":
-                return h
-            if fallback is None:
-                fallback = h
-        return fallback
+            cold = not prefer_cold or h.target == "lo"
+            if not by_score:
+                if cold:
+                    return h
+                best[False] = best[False] or (0.0, h)
+                continue
+            score = float(self._prob[layer, expert]) * int(self._visits[layer, expert])
+            if best[cold] is None or score < best[cold][0]:  # strict: ties keep the older one
+                best[cold] = (score, h)
+        chosen = best[True] or best[False]
+        return chosen[1] if chosen else None
 
     def _take_slot(self, pool: str, *, may_evict: bool, may_wait: bool) -> int | None:
         p = self.pools[pool]
@@ -338,6 +371,7 @@ class ResidencyManager:
                 counters.misses += 1
             h.in_use += 1
             version.uses += 1
+            self._visits[layer, e] += 1
             self._touch(h, version.pool)
             if version.pool == "lo" and demand_pool == "hi":
                 counters.lo_runs += 1
