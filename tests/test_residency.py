@@ -462,3 +462,39 @@ def test_prob_freq_eviction_ranks_by_probability_times_visits_then_lru():
     with pytest.raises(ValueError, match="eviction"):
         replace(manager.options, eviction="random")
     manager.close()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "prob-freq"])
+def test_a_burst_of_prefetches_evicts_in_the_order_single_evictions_would(eviction):
+    """`_victim_queue` ranks once what `_victim` would pick one scan at a time, and skips a version
+    touched after the ranking (an expert just predicted again must not go)."""
+    from dataclasses import replace
+
+    manager = make_manager("hi-cache", 4, 0, bandwidth=None)
+    manager.options = replace(manager.options, eviction=eviction)
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    run_forward(manager, 0, [0, 1, 2, 3], x)
+    manager.begin_iteration(2)
+    run_forward(manager, 0, [2], x)  # LRU order 0, 1, 3, 2
+    manager.observe_gate_probs(0, torch.tensor([0.4, 0.1, 0.3, 0.2, 0, 0, 0, 0]))
+    manager._drain_requests()
+    singles = []
+    for _ in range(4):
+        h = manager._victim("hi", protect_all=True)
+        singles.append(h.expert)
+        manager._lru["hi"].move_to_end((h.layer, h.expert))  # so the next scan finds the next one
+        manager._visits[h.layer, h.expert] += 100  # and prob-freq ranks it last
+    manager.begin_iteration(3)
+    run_forward(manager, 0, [0, 1, 2, 3], x)  # back to the state before the single picks
+    manager._visits[0, :4] = [1, 1, 2, 1]
+    for e in (0, 1, 3, 2):
+        manager._touch(manager.handles[0][e], "hi")
+    next_victim = manager._victim_queue("hi")
+    want = [0, 1, 3, 2] if eviction == "lru" else [1, 3, 0, 2]  # scores 0.4, 0.1, 0.6, 0.2
+    assert [next_victim().expert for _ in range(4)] == want
+    assert singles == want
+    next_victim = manager._victim_queue("hi")
+    manager._touch(manager.handles[0][want[0]], "hi")  # predicted again after the ranking
+    assert next_victim().expert == want[1]
+    manager.close()

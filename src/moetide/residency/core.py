@@ -192,33 +192,61 @@ class ResidencyManager:
         self._pending_free.append((pool, version.slot, handle, gate))
         self.metrics.bump("evictions")
 
-    def _victim(self, pool: str, *, protect_all: bool) -> ExpertHandle | None:
-        """The evictable version in `pool` (landed, not in use, not protected when `protect_all`) that
-        the eviction rule ranks first: least recently used, or with "prob-freq" the lowest probability
-        x visits (ties: least recently used). In the hi pool of the lo+hi mode, versions the
-        precision policy wants cold (target lo) go first."""
+    def _candidates(self, pool: str, *, protect_all: bool):
+        """Evictable versions of `pool` in LRU order (landed, not in use, not protected when
+        `protect_all`): yields `(handle, cold, score)`. cold: in the hi pool of the lo+hi mode, the
+        precision policy wants it lo (those go first); score: probability x visits (prob-freq)."""
         prefer_cold = pool == "hi" and self.options.mode == "lo+hi"
-        by_score = self.options.eviction == "prob-freq"
-        best = {True: None, False: None}  # cold?, -> (score, handle)
         for layer, expert in self._lru[pool]:
             h = self.handles[layer][expert]
             if h.in_use or (protect_all and (layer, expert) in self._protected):
                 continue
             if not self._publish_if_ready(h.versions[pool]):  # a landed prefetch is evictable too
                 continue
-            cold = not prefer_cold or h.target == "lo"
+            score = float(self._prob[layer, expert]) * int(self._visits[layer, expert])
+            yield h, not prefer_cold or h.target == "lo", score
+
+    def _victim(self, pool: str, *, protect_all: bool) -> ExpertHandle | None:
+        """The evictable version the eviction rule ranks first: least recently used, or with
+        "prob-freq" the lowest probability x visits (ties: least recently used); cold ones first."""
+        by_score = self.options.eviction == "prob-freq"
+        best = {True: None, False: None}  # cold? -> (score, handle)
+        for h, cold, score in self._candidates(pool, protect_all=protect_all):
             if not by_score:
                 if cold:
                     return h
                 best[False] = best[False] or (0.0, h)
-                continue
-            score = float(self._prob[layer, expert]) * int(self._visits[layer, expert])
-            if best[cold] is None or score < best[cold][0]:  # strict: ties keep the older one
+            elif best[cold] is None or score < best[cold][0]:  # strict: ties keep the older one
                 best[cold] = (score, h)
         chosen = best[True] or best[False]
         return chosen[1] if chosen else None
 
-    def _take_slot(self, pool: str, *, may_evict: bool, may_wait: bool) -> int | None:
+    def _victim_queue(self, pool: str):
+        """For a burst of prefetches: every evictable version ranked once, in the order `_victim`
+        would pick them (sparing protected ones); returns `next_victim()`, which skips versions that
+        were evicted, used, protected or touched since. One ranking instead of one scan per copy."""
+        by_score = self.options.eviction == "prob-freq"
+        ranked = [(not cold, score if by_score else 0.0, i, h) for i, (h, cold, score) in enumerate(
+            self._candidates(pool, protect_all=True))]  # fmt: skip
+        ranked.sort(key=lambda r: r[:3])
+        queue_ = deque(r[3] for r in ranked)
+        tick = self._tick
+
+        def next_victim() -> ExpertHandle | None:
+            while queue_:
+                h = queue_.popleft()
+                v = h.versions.get(pool)
+                if v is None or h.in_use or (h.layer, h.expert) in self._protected or v.last_use > tick:
+                    continue
+                return h
+            return None
+
+        return next_victim
+
+    def _take_slot(self, pool: str, *, may_evict: bool, may_wait: bool, next_victim=None) -> int | None:
+        """A free slot of `pool` with its budget reserved, evicting (and, if `may_wait`, waiting for
+        a copy or a reader) when needed; None if none can be had. `next_victim`: a `_victim_queue`
+        for a burst of prefetches (used instead of a scan when no waiting is allowed)."""
         p = self.pools[pool]
         if p.num_slots == 0:
             return None
@@ -231,9 +259,12 @@ class ResidencyManager:
                 p.give(slot)
                 return None
             if may_evict:
-                victim = self._victim(pool, protect_all=True) or (
-                    self._victim(pool, protect_all=False) if may_wait else None
-                )
+                if next_victim is not None and not may_wait:
+                    victim = next_victim()
+                else:
+                    victim = self._victim(pool, protect_all=True) or (
+                        self._victim(pool, protect_all=False) if may_wait else None
+                    )
                 if victim is None and may_wait:
                     victim = self._finish_oldest_copy(pool)
                 if victim is not None:
@@ -282,7 +313,7 @@ class ResidencyManager:
             version.published = True
         return version.published
 
-    def _issue_prefetch(self, iteration: int, layer: int, expert: int) -> bool:
+    def _issue_prefetch(self, iteration: int, layer: int, expert: int, next_victim=None) -> bool:
         """Start one queued prefetch; True if it started a copy. Requests older than the previous
         iteration, or for a layer that has already run in this one, are dropped."""
         if iteration < self.iteration - 1 or (iteration == self.iteration and layer <= self._layers_done):
@@ -292,7 +323,7 @@ class ResidencyManager:
         if pool in h.versions:
             self._touch(h, pool)
             return False
-        slot = self._take_slot(pool, may_evict=True, may_wait=False)
+        slot = self._take_slot(pool, may_evict=True, may_wait=False, next_victim=next_victim)
         if slot is None:
             self.metrics.bump("deferred")
             return False
@@ -312,8 +343,10 @@ class ResidencyManager:
     def _issue_background(self) -> None:
         """Issue every queued prefetch (the policy sized them: FineMoE's delta), then precision changes
         up to the per-layer rate limit."""
-        while self._prefetch_queue:
-            self._issue_prefetch(*self._prefetch_queue.popleft())
+        if self._prefetch_queue:
+            next_victim = self._victim_queue("hi" if self.pools["hi"].num_slots else "lo")
+            while self._prefetch_queue:
+                self._issue_prefetch(*self._prefetch_queue.popleft(), next_victim=next_victim)
         budget = self.options.max_background_copies
         while budget > 0 and self._precision_queue:
             (layer, expert), target = self._precision_queue.popitem(last=False)
