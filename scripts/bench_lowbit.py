@@ -191,31 +191,38 @@ def routing(num_tokens: int, args, device: str, seed: int):
     return ids.to(device), weights.to(device)
 
 
+def layer_cases(args: argparse.Namespace, device: str):
+    """Every (precision, T) case of the layer benches: `(precision, arena, meta, T, ids, weights, x)`,
+    one lo pool per precision, routing and activations seeded by T."""
+    for precision in PRECISIONS:
+        arena, meta = lo_pool(precision, args, device)
+        for num_tokens in LAYER_TOKENS:
+            ids, weights = routing(num_tokens, args, device, seed=num_tokens)
+            x = torch.randn(num_tokens, args.hidden_size, device=device).bfloat16()
+            yield precision, arena, meta, num_tokens, ids, weights, x
+
+
 def bench_layer(args: argparse.Namespace, triton_testing, device: str = "cuda") -> list[dict]:
     """Per-layer time of the routed lo experts through `ExpertRuntime.run_layer`, per lo kernel."""
     from moetide.compute.runtime import ExpertRuntime
     from moetide.residency.metrics import ExpertMetrics
 
     rows = []
-    for precision in PRECISIONS:
-        arena, meta = lo_pool(precision, args, device)
-        for num_tokens in LAYER_TOKENS:
-            ids, weights = routing(num_tokens, args, device, seed=num_tokens)
-            x = torch.randn(num_tokens, args.hidden_size, device=device).bfloat16()
-            for path in LAYER_PATHS:
-                outputs = {}
-                for lo_kernel in LO_KERNELS:
-                    runtime = ExpertRuntime(
-                        LoPoolLayer(arena, meta, path == "static"),
-                        ExpertMetrics(1), F.silu, args.num_experts, args.top_k,
-                    )  # fmt: skip
-                    runtime.set_lo_kernel(lo_kernel, torch.device(device))
-                    fn = partial(runtime.run_layer, 0, x, ids, weights)
-                    outputs[lo_kernel] = fn()
-                    # the host sync of the dynamic path (and of static dequant at T > 1) cannot be captured
-                    graphable = path == "static" and (lo_kernel == "triton" or num_tokens == 1)
-                    rows.append(measure_layer(precision, num_tokens, path, lo_kernel, fn, triton_testing,
-                                              graphable, outputs))  # fmt: skip
+    for precision, arena, meta, num_tokens, ids, weights, x in layer_cases(args, device):
+        for path in LAYER_PATHS:
+            outputs = {}
+            for lo_kernel in LO_KERNELS:
+                runtime = ExpertRuntime(
+                    LoPoolLayer(arena, meta, path == "static"),
+                    ExpertMetrics(1), F.silu, args.num_experts, args.top_k,
+                )  # fmt: skip
+                runtime.set_lo_kernel(lo_kernel, torch.device(device))
+                fn = partial(runtime.run_layer, 0, x, ids, weights)
+                outputs[lo_kernel] = fn()
+                # the host sync of the dynamic path (and of static dequant at T > 1) cannot be captured
+                graphable = path == "static" and (lo_kernel == "triton" or num_tokens == 1)
+                rows.append(measure_layer(precision, num_tokens, path, lo_kernel, fn, triton_testing,
+                                          graphable, outputs))  # fmt: skip
     return rows
 
 
@@ -245,28 +252,22 @@ def sweep_grouped(args: argparse.Namespace, triton_testing, device: str = "cuda"
     from moetide.compute import lowbit_triton
 
     rows = []
-    for precision in PRECISIONS:
-        arena, meta = lo_pool(precision, args, device)
-        for num_tokens in LAYER_TOKENS:
-            ids, weights = routing(num_tokens, args, device, seed=num_tokens)
-            x = torch.randn(num_tokens, args.hidden_size, device=device).bfloat16()
-            pair_slot, pair_index = lowbit_triton.topk_pairs(ids)
-            results = []
-            for block_n, num_warps in itertools.product(SWEEP_GROUPED_BLOCK_N, SWEEP_GROUPED_WARPS):
-                config = lowbit_triton.GroupedConfig(block_n=block_n, num_warps=num_warps)
-                fn = partial(lowbit_triton.grouped_lowbit_moe, x, weights, pair_slot, pair_index, arena, meta,
-                             config=config)  # fmt: skip
-                fn()
-                graph_us = time_us(fn, triton_testing, cudagraph=True)
-                results.append(
-                    (graph_us if graph_us is not None else float("inf"), dataclasses.asdict(config))
-                )
-            best_us, best = min(results, key=lambda r: r[0])
-            default_us = next(t for t, c in results if c == dataclasses.asdict(lowbit_triton.GroupedConfig()))
-            rows.append({"precision": precision, "tokens": num_tokens, "best_cudagraph_us": best_us,
-                         "best_config": best, "default_cudagraph_us": default_us})  # fmt: skip
-            print(f"grouped sweep {precision:5s} T={num_tokens:<2d} best {best_us:8.1f} us {best}  "
-                  f"default {default_us:8.1f} us", flush=True)  # fmt: skip
+    for precision, arena, meta, num_tokens, ids, weights, x in layer_cases(args, device):
+        pair_slot, pair_index = lowbit_triton.topk_pairs(ids)
+        results = []
+        for block_n, num_warps in itertools.product(SWEEP_GROUPED_BLOCK_N, SWEEP_GROUPED_WARPS):
+            config = lowbit_triton.GroupedConfig(block_n=block_n, num_warps=num_warps)
+            fn = partial(lowbit_triton.grouped_lowbit_moe, x, weights, pair_slot, pair_index, arena, meta,
+                         config=config)  # fmt: skip
+            fn()
+            graph_us = time_us(fn, triton_testing, cudagraph=True)
+            results.append((graph_us if graph_us is not None else float("inf"), dataclasses.asdict(config)))
+        best_us, best = min(results, key=lambda r: r[0])
+        default_us = next(t for t, c in results if c == dataclasses.asdict(lowbit_triton.GroupedConfig()))
+        rows.append({"precision": precision, "tokens": num_tokens, "best_cudagraph_us": best_us,
+                     "best_config": best, "default_cudagraph_us": default_us})  # fmt: skip
+        print(f"grouped sweep {precision:5s} T={num_tokens:<2d} best {best_us:8.1f} us {best}  "
+              f"default {default_us:8.1f} us", flush=True)  # fmt: skip
     return rows
 
 

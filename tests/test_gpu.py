@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from triton_interpreter import run_both_lo_kernels
 
 import moetide
 
@@ -93,20 +94,9 @@ def test_lo_kernel_triton_matches_dequant_bf16(tiny_checkpoints, policy, monkeyp
         plan = roomy.loaded.runtime.residency.plan
         roomy.close()
         budget = plan.fixed.total + plan.lo_slots * plan.lo_slot_bytes + 4 * plan.hi_slot_bytes
-    calls = []
-    real = kernel.grouped_lowbit_moe
-    monkeypatch.setattr(kernel, "grouped_lowbit_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ids = torch.randint(5, 90, (1, 11), generator=torch.Generator().manual_seed(4)).cuda()
-    got = {}
-    for lo_kernel in ("dequant", "triton"):
-        llm = moetide.LLM(path, device="cuda", dtype="bfloat16", policy=policy, gpu_memory=budget,
-                          on_miss="lo", lo_kernel=lo_kernel)  # fmt: skip
-        with torch.no_grad():
-            logits = llm.loaded.model(ids).logits.float()
-        params = moetide.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-        tokens = llm.generate([[5, 6, 7, 8]], params)[0].token_ids
-        got[lo_kernel] = (logits, tokens, llm.metrics.snapshot()["lo_runs"])
-        llm.close()
+    got, calls = run_both_lo_kernels(kernel, monkeypatch, path, ids, 16, device="cuda", dtype="bfloat16",
+                                     policy=policy, gpu_memory=budget, on_miss="lo")  # fmt: skip
     assert calls, "the grouped kernel never ran"
     (ref_logits, ref_tokens, lo_runs), (logits, tokens, _) = got["dequant"], got["triton"]
     assert policy != "combined" or lo_runs > 0

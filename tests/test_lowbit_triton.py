@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interpreter import CUDA, HAS_TRITON, INTERPRETING, kernel_device, run_under_interpreter
+from triton_interpreter import (
+    CUDA,
+    HAS_TRITON,
+    INTERPRETING,
+    kernel_device,
+    run_both_lo_kernels,
+    run_under_interpreter,
+)
 
 import moetide
 from moetide.cli import build_parser, engine_config_from_args
@@ -222,20 +229,9 @@ def test_grouped_engine_triton_equals_dequant(kernel, tiny_olmoe, monkeypatch, p
     dev = device()
     dtype = "bfloat16" if CUDA else "float32"
     budget = _lo_heavy_budget(tiny_olmoe, dev) if policy == "combined" else None
-    calls = []
-    real = kernel.grouped_lowbit_moe
-    monkeypatch.setattr(kernel, "grouped_lowbit_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ids = torch.randint(5, 90, (1, 7), generator=torch.Generator().manual_seed(4)).to(dev)
-    results = {}
-    for lo_kernel in ("dequant", "triton"):
-        llm = moetide.LLM(tiny_olmoe, device=dev, dtype=dtype, policy=policy, gpu_memory=budget,
-                          lo_kernel=lo_kernel)  # fmt: skip
-        with torch.no_grad():
-            logits = llm.loaded.model(ids).logits.float()
-        params = moetide.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-        tokens = llm.generate([[5, 6, 7, 8]], params)[0].token_ids
-        results[lo_kernel] = (logits, tokens, llm.metrics.snapshot()["lo_runs"])
-        llm.close()
+    results, calls = run_both_lo_kernels(kernel, monkeypatch, tiny_olmoe, ids, 10, device=dev, dtype=dtype,
+                                         policy=policy, gpu_memory=budget)  # fmt: skip
     assert calls, "the grouped kernel never ran"
     (ref_logits, ref_tokens, lo_runs), (logits, tokens, _) = results["dequant"], results["triton"]
     if policy == "combined":

@@ -122,9 +122,8 @@ class ResidencyManager:
         return self.plan.hi_slots
 
     def prefetch(self, layer: int, experts: list[int], *, iteration: int, priorities=None) -> None:
-        if priorities is not None:
-            self._requests.put(("probability", layer, tuple(experts), tuple(priorities)))
-        self._requests.put(("prefetch", layer, tuple(experts), iteration))
+        priorities = None if priorities is None else tuple(priorities)
+        self._requests.put(("prefetch", layer, tuple(experts), (iteration, priorities)))
 
     def observe_gate_probs(self, layer: int, probs) -> None:
         """The mean gate probabilities `(E,)` of `layer` in the running step (for prob-freq eviction)."""
@@ -150,10 +149,11 @@ class ResidencyManager:
             except queue.Empty:
                 return
             if kind == "prefetch":
-                self._prefetch_queue.extend((arg, layer, e) for e in what)
+                iteration, priorities = arg
+                if priorities is not None:  # the prediction is the experts' latest probability estimate
+                    self._prob[layer, list(what)] = priorities
+                self._prefetch_queue.extend((iteration, layer, e) for e in what)
                 self.metrics.bump("prefetches_issued", len(what))
-            elif kind == "probability":
-                self._prob[layer, list(what)] = arg
             elif kind == "observed":
                 self._prob[layer] = arg
             elif kind == "protect":
@@ -195,15 +195,17 @@ class ResidencyManager:
     def _candidates(self, pool: str, *, protect_all: bool):
         """Evictable versions of `pool` in LRU order (landed, not in use, not protected when
         `protect_all`): yields `(handle, cold, score)`. cold: in the hi pool of the lo+hi mode, the
-        precision policy wants it lo (those go first); score: probability x visits (prob-freq)."""
+        precision policy wants it lo (those go first); score: probability x visits with prob-freq
+        eviction, else 0."""
         prefer_cold = pool == "hi" and self.options.mode == "lo+hi"
+        scored = self.options.eviction == "prob-freq"
         for layer, expert in self._lru[pool]:
             h = self.handles[layer][expert]
             if h.in_use or (protect_all and (layer, expert) in self._protected):
                 continue
             if not self._publish_if_ready(h.versions[pool]):  # a landed prefetch is evictable too
                 continue
-            score = float(self._prob[layer, expert]) * int(self._visits[layer, expert])
+            score = float(self._prob[layer, expert]) * int(self._visits[layer, expert]) if scored else 0.0
             yield h, not prefer_cold or h.target == "lo", score
 
     def _victim(self, pool: str, *, protect_all: bool) -> ExpertHandle | None:
@@ -225,8 +227,7 @@ class ResidencyManager:
         """For a burst of prefetches: every evictable version ranked once, in the order `_victim`
         would pick them (sparing protected ones); returns `next_victim()`, which skips versions that
         were evicted, used, protected or touched since. One ranking instead of one scan per copy."""
-        by_score = self.options.eviction == "prob-freq"
-        ranked = [(not cold, score if by_score else 0.0, i, h) for i, (h, cold, score) in enumerate(
+        ranked = [(not cold, score, i, h) for i, (h, cold, score) in enumerate(
             self._candidates(pool, protect_all=True))]  # fmt: skip
         ranked.sort(key=lambda r: r[:3])
         queue_ = deque(r[3] for r in ranked)
