@@ -48,12 +48,20 @@ def main() -> int:
         default="auto",
         help=f"comma-separated, of {', '.join(LO_KERNELS)}: policies with lo versions run once per kernel",
     )
+    ap.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        help="comma-separated, of auto,off: no-offload and static-* run once per setting",
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument(
         "--repeat", type=int, default=1, help="run each moetide configuration this many times in this process"
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    graph_modes = [g for g in args.cuda_graphs.split(",") if g]
+    if not graph_modes or any(g not in ("auto", "off") for g in graph_modes):
+        ap.error("--cuda-graphs takes a comma-separated list of auto, off")
     lo_kernels = [k for k in args.lo_kernel.split(",") if k]
     if not lo_kernels or any(k not in LO_KERNELS for k in lo_kernels):
         ap.error(f"--lo-kernel takes a comma-separated list of {', '.join(LO_KERNELS)}")
@@ -85,6 +93,8 @@ def main() -> int:
         label = r.get("policy", r.get("experts_implementation", "")) or ""
         if r.get("lo_kernel"):
             label += f" [{r['lo_kernel']}]"
+        if r.get("cuda_graphs_setting") == "off":
+            label += " [no graphs]"
         print(
             f"{r['engine']:10s} {label:24s} "
             f"{r.get('gpu_memory')!s:6s} decode {tok_s or 0:8.2f} tok/s  peak {r['peak_gpu_bytes'] / 2**30:6.2f} GiB"
@@ -103,14 +113,24 @@ def main() -> int:
         budget = None if policy == "no-offload" else args.budget
         has_lo = POLICY_MODES.get(policy, (None, False))[1]
         kernels = lo_kernels if has_lo else ["auto"]  # the kernel only matters for lo versions
-        for lo_kernel, repeat in ((k, i) for k in kernels for i in range(args.repeat)):
+        graphable = policy == "no-offload" or policy.startswith("static-")
+        graphs = graph_modes if graphable else ["auto"]  # only these policies are ever captured
+        runs = [(k, g, i) for k in kernels for g in graphs for i in range(args.repeat)]
+        for lo_kernel, cuda_graphs, repeat in runs:
             try:
                 kwargs = {"on_miss": on_miss} if on_miss else {}  # else the engine's default (lo)
                 r = bench_moetide(
-                    ckpt, policy, budget, new_tokens=args.new_tokens, lo_kernel=lo_kernel, **kwargs
+                    ckpt,
+                    policy,
+                    budget,
+                    new_tokens=args.new_tokens,
+                    lo_kernel=lo_kernel,
+                    cuda_graphs=cuda_graphs,
+                    **kwargs,
                 )
                 r["on_miss"] = on_miss or "default (lo)"
                 r["lo_kernel"] = lo_kernel
+                r["cuda_graphs_setting"] = cuda_graphs
                 r["repeat"] = repeat
                 record(r)
             except Exception as e:

@@ -21,13 +21,15 @@ for step in "$@"; do
   case "$step" in
     tests)    timeout $(T 150) python3 -m pytest -q -m gpu -p no:cacheprovider tests/ --ignore tests/test_lowbit_triton.py \
                 --ignore tests/test_server.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+    graphtests) timeout $(T 120) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphed_decode.py \
+                tests/test_policies_trace.py -k "graph or published_after" 2>&1 | tail -60 | tee "$OUT/gpu_graph_tests.log" ;;
     lotests)  timeout $(T 120) python3 -m pytest -q -p no:cacheprovider tests/test_lowbit_triton.py tests/test_gpu.py -k "${LOTESTS_K:-grouped or lo_kernel}" 2>&1 | tail -15 | tee "$OUT/gpu_lo_tests.log" ;;
     gpupeak)  timeout $(T 40) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k peak 2>&1 | tail -3 | tee "$OUT/gpu_peak.log" ;;
     lowbit)   timeout $(T 60) python3 scripts/bench_lowbit.py "$OUT/bench_lowbit.json" --sweep 2>&1 | tail -30 ;;
     lolayer)  timeout $(T 150) python3 scripts/bench_lowbit.py "$OUT/bench_lowbit_layer.json" --skip-expert --sweep 2>&1 | tail -45 ;;
     lodecode) timeout $(T 200) python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo_kernel.json" \
                 --policies no-offload,static-int2,combined --lo-kernel dequant,triton 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
-    offload)  timeout $(T 200) python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" \
+    offload)  timeout $(T 260) python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" --cuda-graphs auto,off \
                 --policies no-offload,static-int2,combined 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     repeat)   timeout $(T 200) python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_repeat.json" \
                 --policies no-offload,no-offload,static-int2,no-offload 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from .config import LO_KERNELS, POLICIES, EngineConfig, format_bytes, parse_bytes
+from .config import CUDA_GRAPHS, LO_KERNELS, POLICIES, EngineConfig, format_bytes, parse_bytes
 from .errors import MoetideError
 
 
@@ -62,6 +62,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         help="lo experts at decode: dequantize + bf16 matmul, the fused Triton kernel (CUDA), or auto"
         " (default: triton where it runs, else dequant)",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=CUDA_GRAPHS,
+        help="replay decode steps as CUDA graphs where the experts need no host decision (no-offload,"
+        " static-int4/int2 on CUDA; default auto), or launch every step from Python (off)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -85,13 +92,15 @@ def engine_config_from_args(args) -> EngineConfig:
 
 
 def precision_options_from_args(args) -> dict:
-    """The `EngineConfig` fields of --hi, --host-versions and --lo-kernel (shared with `moetide bench`)."""
+    """The `EngineConfig` fields of --hi, --host-versions, --lo-kernel and --cuda-graphs (shared with
+    `moetide bench`)."""
     return {
         "hi_precision": "hi" if args.hi_precision == "bf16" else args.hi_precision,
         "host_versions": None
         if args.host_versions is None
         else tuple(v for v in args.host_versions.split(",") if v),
         "lo_kernel": args.lo_kernel,
+        "cuda_graphs": args.cuda_graphs,
     }
 
 

@@ -64,6 +64,9 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+CUDA_GRAPHS = ("auto", "off")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to load a model and serve it under a memory budget.
@@ -91,6 +94,9 @@ class EngineConfig:
             (a grouped fused low-bit kernel over the packed rows; needs CUDA and triton), or "auto"
             (the default: triton where it can run, else dequant; measured on the H200, triton is
             3.6-18x faster per layer and 1.15-1.22x faster per decode step, BENCHMARKS.md).
+        cuda_graphs: "auto" (the default: on a CUDA device, decode steps whose experts need no host
+            decision, i.e. no-offload and static-int4/int2, are captured once per batch shape and
+            replayed; see engine/graphed_decode.py) or "off" (every step launched from Python).
     """
 
     model: str
@@ -108,6 +114,7 @@ class EngineConfig:
     hi_precision: str = "hi"
     host_versions: tuple[str, ...] | None = None
     lo_kernel: str = "auto"
+    cuda_graphs: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -115,6 +122,8 @@ class EngineConfig:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of: {', '.join(POLICIES)}")
         if self.lo_precision not in ("auto", "int4", "int2"):
             raise ConfigError(f"lo precision must be auto, int4 or int2, got {self.lo_precision!r}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ConfigError(f"--cuda-graphs must be auto or off, got {self.cuda_graphs!r}")
         if self.on_miss not in ("stall", "lo"):
             raise ConfigError(f"--on-miss must be 'stall' or 'lo', got {self.on_miss!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

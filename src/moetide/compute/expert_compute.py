@@ -69,7 +69,7 @@ def grouped_moe(
             hidden, top_k_weights.reshape(-1), pair_token, flat, gate_up_all, down_all, act_fn
         )
     order = torch.argsort(flat, stable=True)
-    offs = torch.bincount(flat, minlength=gate_up_all.shape[0]).cumsum(0).to(torch.int32)
+    offs = group_ends(flat.index_select(0, order), gate_up_all.shape[0])
     return grouped_pairs(
         hidden,
         top_k_weights.reshape(-1).index_select(0, order),
@@ -79,6 +79,13 @@ def grouped_moe(
         down_all,
         act_fn,
     )
+
+
+def group_ends(sorted_groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """`(G,)` int32: where each group's pairs end in `sorted_groups (N,)` (ascending group ids).
+    A binary search on the device: unlike `bincount`, no host sync (CUDA graphs can capture it)."""
+    bounds = torch.arange(num_groups, device=sorted_groups.device, dtype=sorted_groups.dtype)
+    return torch.searchsorted(sorted_groups, bounds, right=True).to(torch.int32)
 
 
 def gathered_pairs(

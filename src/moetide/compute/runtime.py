@@ -89,6 +89,24 @@ class ExpertRuntime:
         self.lowbit_kernel = lowbit_triton
         self.lowbit_max_tokens = lowbit_triton.MAX_TOKENS
 
+    def decode_is_sync_free(self, num_tokens: int) -> bool:
+        """Whether `run_layer` computes a `num_tokens`-token step with no host sync (and no host-side
+        decision), so that the step can be captured as a CUDA graph: every expert hi-resident at a
+        fixed slot, or lo-resident at a fixed slot with the fused kernel (or one token)."""
+        if self.residency is None:
+            return False
+        static_hi = self.residency.static_hi_groups(0)
+        if static_hi is not None:
+            # one token: gathered bmm. More: grouped_mm, whose fused kernel takes bf16 only on CUDA;
+            # for other dtypes torch loops over the groups on the host (reads offs: a host sync,
+            # which made the capture fail in float32, GPU run 12)
+            weights = static_hi[1]
+            return num_tokens == 1 or weights.device.type != "cuda" or weights.dtype == torch.bfloat16
+        if self.residency.static_lo_rows(0) is not None:
+            fused = self.lowbit_kernel is not None and num_tokens <= self.lowbit_max_tokens
+            return fused or num_tokens == 1
+        return False
+
     def on_embedding(self, embeds: torch.Tensor) -> None:
         """Embedding-layer output starts a new iteration (policies observe through `PolicyHooks`)."""
         self.iteration += 1

@@ -116,16 +116,34 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
             eos.add(source)
         elif source:
             eos.update(int(x) for x in source)
+    kv_tokens = kv_cache_tokens(config, loaded)
     engine = LLMEngine(
-        ModelRunner(loaded.model, loaded.device),
+        ModelRunner(loaded.model, loaded.device, graphs=graphed_decoder(config, loaded, kv_tokens)),
         tokenizer,
         eos,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
-        kv_cache_tokens=kv_cache_tokens(config, loaded),
+        kv_cache_tokens=kv_tokens,
         max_prefill_tokens=MAX_PREFILL_TOKENS,
     )
     return loaded, engine, tokenizer
+
+
+def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv_tokens: int | None):
+    """CUDA-graph decode (engine/graphed_decode.py) on a CUDA device unless `cuda_graphs` is "off";
+    it captures only steps whose experts need no host decision, so every policy can have one."""
+    from .graphed_decode import GraphedDecoder
+    from .runner import ENGINE_SDPA_BACKENDS
+
+    if config.cuda_graphs == "off" or loaded.device.type != "cuda":
+        return None
+    return GraphedDecoder(
+        loaded.model,
+        loaded.runtime.decode_is_sync_free,
+        ENGINE_SDPA_BACKENDS,
+        capture=True,
+        kv_cache_tokens=kv_tokens,
+    )
 
 
 class LLM:

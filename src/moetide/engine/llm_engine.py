@@ -102,6 +102,8 @@ class LLMEngine:
         for seq in failed:
             seq.finish(reason)
         self.running = []
+        if self.batch is not None:
+            self.batch.close()
         self.batch, self._last_tokens = None, None
         return failed
 
@@ -212,6 +214,7 @@ class LLMEngine:
             return
         self.running = [self.running[i] for i in keep]
         if not keep:
+            self.batch.close()
             self.batch, self._last_tokens = None, None
             return
         self.batch.keep_rows(keep)

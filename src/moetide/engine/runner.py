@@ -35,6 +35,10 @@ class BatchKVCache:
         self.cache = cache
         self.mask = mask  # (B, S) int64
         self.lengths = lengths  # (B,) real tokens per row
+        # while decoding from fixed buffers (graphed_decode.StaticDecodeState), the KV, mask and
+        # lengths live there; `ensure_dynamic` brings them back before any change of rows
+        self.static = None
+        self._on_leave = None
 
     @property
     def batch_size(self) -> int:
@@ -42,7 +46,26 @@ class BatchKVCache:
 
     @property
     def seq_len(self) -> int:
-        return self.mask.shape[1]
+        return self.static.used if self.static is not None else self.mask.shape[1]
+
+    def attach_static(self, state, on_leave=None) -> None:
+        """Decode from `state`'s fixed buffers; `on_leave(state)` is called once they are handed back."""
+        self.static, self._on_leave = state, on_leave
+
+    def close(self) -> None:
+        """The batch is done (every row finished or failed): give fixed buffers back unread."""
+        if self.static is not None:
+            state, self.static = self.static, None
+            if self._on_leave is not None:
+                self._on_leave(state)
+
+    def ensure_dynamic(self) -> None:
+        """Move the KV back from fixed buffers into the `DynamicCache` (no-op when it is there)."""
+        if self.static is not None:
+            state, self.static = self.static, None
+            state.write_back(self)
+            if self._on_leave is not None:
+                self._on_leave(state)
 
     def _pad_left(self, pad: int) -> None:
         if pad <= 0:
@@ -56,6 +79,8 @@ class BatchKVCache:
 
     def merge(self, other: BatchKVCache) -> None:
         """Append `other`'s rows (after this batch's rows), left-padding to a common length."""
+        self.ensure_dynamic()
+        other.ensure_dynamic()
         self._pad_left(other.seq_len - self.seq_len)
         other._pad_left(self.seq_len - other.seq_len)
         for mine, theirs in zip(_cache_layers(self.cache), _cache_layers(other.cache), strict=True):
@@ -66,6 +91,7 @@ class BatchKVCache:
 
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not in `rows`, then trim columns that are padding in every kept row."""
+        self.ensure_dynamic()
         idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
         self.mask = self.mask.index_select(0, idx)
         self.lengths = self.lengths.index_select(0, idx)
@@ -81,16 +107,20 @@ class BatchKVCache:
                 layer.values = layer.values[..., lead:, :]
 
     def kv_bytes(self) -> int:
+        self.ensure_dynamic()
         return sum(l.keys.numel() * l.keys.element_size() * 2 for l in _cache_layers(self.cache))
 
 
 class ModelRunner:
     """Runs transformers' model (with managed experts) for prefill and decode steps."""
 
-    def __init__(self, model: nn.Module, device: torch.device, prefill_chunk_tokens: int = 512):
+    def __init__(
+        self, model: nn.Module, device: torch.device, prefill_chunk_tokens: int = 512, graphs=None
+    ):
         self.model = model
         self.device = device
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.graphs = graphs  # a graphed_decode.GraphedDecoder, or None: every step eager
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -134,7 +164,13 @@ class ModelRunner:
         return BatchKVCache(cache, mask, lengths), logits
 
     def decode(self, batch: BatchKVCache, last_tokens: torch.Tensor) -> torch.Tensor:
-        """One token for every row: `last_tokens (B,)` -> logits `(B, V)`; grows the cache by one."""
+        """One token for every row: `last_tokens (B,)` -> logits `(B, V)`; grows the cache by one.
+        Replayed from a CUDA graph where `graphs` can (graphed_decode), else eager."""
+        if self.graphs is not None:
+            logits = self.graphs.decode(batch, last_tokens)
+            if logits is not None:
+                return logits
+        batch.ensure_dynamic()
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.batch_size, 1)], dim=1)
         positions = batch.lengths.unsqueeze(1)
         logits = self._forward(last_tokens.unsqueeze(1), batch.mask, positions, batch.cache)

@@ -314,22 +314,45 @@ class ResidencyManager:
             version.published = True
         return version.published
 
-    def _issue_prefetch(self, iteration: int, layer: int, expert: int, next_victim=None) -> bool:
+    def _issue_prefetch(self, iteration: int, layer: int, expert: int, victims_for=None) -> bool:
         """Start one queued prefetch; True if it started a copy. Requests older than the previous
-        iteration, or for a layer that has already run in this one, are dropped."""
+        iteration, or for a layer that has already run in this one, are dropped. `victims_for`: a
+        `_victim_queues()` for a burst."""
         if iteration < self.iteration - 1 or (iteration == self.iteration and layer <= self._layers_done):
             return False
         h = self.handles[layer][expert]
-        pool = "hi" if self.pools["hi"].num_slots else "lo"
+        pool = self._prefetch_pool(h)
+        if pool is None:
+            return False
         if pool in h.versions:
             self._touch(h, pool)
             return False
-        slot = self._take_slot(pool, may_evict=True, may_wait=False, next_victim=next_victim)
+        victims = victims_for(pool) if victims_for is not None else None
+        slot = self._take_slot(pool, may_evict=True, may_wait=False, next_victim=victims)
         if slot is None:
             self.metrics.bump("deferred")
             return False
         self._start_copy(h, pool, slot, PRIORITY_PREFETCH).prefetched = True
         return True
+
+    def _prefetch_pool(self, h: ExpertHandle) -> str | None:
+        """The pool a prefetch of `h` fills: the hi pool when there is one, except in the lo+hi mode
+        (combined), where the precision policy's target decides (a prefetch brings the expert in the
+        precision DynaExq chose; FineMoE only says when). None: no pool to fill."""
+        if self.options.mode == "lo+hi" and h.target == "lo":
+            return "lo" if self.pools["lo"].num_slots else None
+        return "hi" if self.pools["hi"].num_slots else ("lo" if self.pools["lo"].num_slots else None)
+
+    def _victim_queues(self):
+        """`pool -> next_victim` for a burst of prefetches, each pool ranked once, on first use."""
+        queues: dict = {}
+
+        def for_pool(pool: str):
+            if pool not in queues:
+                queues[pool] = self._victim_queue(pool)
+            return queues[pool]
+
+        return for_pool
 
     def _issue_prefetches_for(self, layer: int) -> None:
         """Before `layer`'s own demand: the queued prefetches that target it (semantic predictions of
@@ -345,9 +368,9 @@ class ResidencyManager:
         """Issue every queued prefetch (the policy sized them: FineMoE's delta), then precision changes
         up to the per-layer rate limit."""
         if self._prefetch_queue:
-            next_victim = self._victim_queue("hi" if self.pools["hi"].num_slots else "lo")
+            victims_for = self._victim_queues()
             while self._prefetch_queue:
-                self._issue_prefetch(*self._prefetch_queue.popleft(), next_victim=next_victim)
+                self._issue_prefetch(*self._prefetch_queue.popleft(), victims_for=victims_for)
         budget = self.options.max_background_copies
         while budget > 0 and self._precision_queue:
             (layer, expert), target = self._precision_queue.popitem(last=False)

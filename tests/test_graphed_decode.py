@@ -1,0 +1,167 @@
+"""Decode from fixed KV buffers (engine/graphed_decode.py): the static-KV step computes what the
+dynamic path computes, through rows joining and leaving and the columns running out; on CUDA the
+same step captured as a CUDA graph and replayed does too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moetide
+from moetide.engine.graphed_decode import GraphedDecoder
+from moetide.engine.runner import ENGINE_SDPA_BACKENDS
+
+PROMPTS = ["def add(a, b):", "Tell me a story about a cat who", "Bonjour"]
+
+
+def _decoder(llm, *, capture: bool, column_bucket: int) -> GraphedDecoder:
+    return GraphedDecoder(
+        llm.loaded.model,
+        llm.loaded.runtime.decode_is_sync_free,
+        ENGINE_SDPA_BACKENDS,
+        capture=capture,
+        kv_cache_tokens=llm.engine.kv_cache_tokens,
+        column_bucket=column_bucket,
+    )
+
+
+def _teacher_forced_logits(llm, graphs, steps: int) -> list[torch.Tensor]:
+    """Prefill PROMPTS together, then decode `steps` steps feeding fixed tokens; logits per step."""
+    runner = llm.engine.runner
+    runner.graphs = graphs
+    seqs = [llm.engine.add_request(llm.tokenizer.encode(p), moetide.SamplingParams(max_tokens=4)) for p in PROMPTS]
+    llm.engine.waiting.clear()
+    batch, logits = runner.prefill(seqs)
+    tokens = logits.argmax(-1)
+    out = []
+    for i in range(steps):
+        logits = runner.decode(batch, (tokens + 7 * i) % logits.shape[-1])
+        out.append(logits.float().cpu())
+    batch.ensure_dynamic()
+    assert batch.seq_len == batch.mask.shape[1] and batch.cache.layers[0].keys.shape[-2] == batch.seq_len
+    batch.close()
+    runner.graphs = None
+    return out
+
+
+def test_the_static_kv_step_computes_the_dynamic_steps_logits_through_column_growth():
+    llm = moetide.LLM(device="cpu", policy="no-offload")
+    try:
+        want = _teacher_forced_logits(llm, None, 12)
+        graphs = _decoder(llm, capture=False, column_bucket=8)
+        got = _teacher_forced_logits(llm, graphs, 12)
+    finally:
+        llm.close()
+    assert graphs.entries >= 2  # the columns ran out at least once: back to dynamic, then static again
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4, msg=f"step {step}")
+
+
+def test_a_later_batch_of_the_same_shape_reuses_the_buffers_and_computes_the_same():
+    llm = moetide.LLM(device="cpu", policy="no-offload")
+    try:
+        want = _teacher_forced_logits(llm, None, 6)
+        graphs = _decoder(llm, capture=False, column_bucket=64)
+        first = _teacher_forced_logits(llm, graphs, 6)
+        again = _teacher_forced_logits(llm, graphs, 6)
+    finally:
+        llm.close()
+    assert graphs.entries == 2 and graphs.allocations == 1
+    for step, (a, b, w) in enumerate(zip(first, again, want, strict=True)):
+        torch.testing.assert_close(a, w, atol=2e-4, rtol=1e-4, msg=f"step {step}")
+        torch.testing.assert_close(b, w, atol=2e-4, rtol=1e-4, msg=f"reused, step {step}")
+
+
+def _generate(llm, graphs):
+    llm.engine.runner.graphs = graphs
+    params = [moetide.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (5, 19, 11)]
+    outs = [llm.engine.add_request(llm.tokenizer.encode(p), sp) for p, sp in zip(PROMPTS, params, strict=True)]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.engine.runner.graphs = None
+    return [s.output_ids for s in outs]
+
+
+def test_continuous_batching_from_fixed_buffers_gives_the_same_tokens():
+    """Rows leave at different steps (max_tokens 5/19/11): each change of rows moves the KV back to
+    the dynamic cache, and the next step moves it into new buffers."""
+    llm = moetide.LLM(device="cpu", policy="no-offload")
+    try:
+        want = _generate(llm, None)
+        graphs = _decoder(llm, capture=False, column_bucket=16)
+        got = _generate(llm, graphs)
+    finally:
+        llm.close()
+    assert got == want
+    assert graphs.entries >= 3
+
+
+def test_policies_with_host_decisions_and_observers_are_never_run_from_fixed_buffers():
+    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="0.5GiB")
+    try:
+        assert not llm.loaded.runtime.decode_is_sync_free(1)
+    finally:
+        llm.close()
+    llm = moetide.LLM(device="cpu", policy="no-offload")
+    try:
+        graphs = _decoder(llm, capture=False, column_bucket=16)
+        assert llm.loaded.runtime.decode_is_sync_free(4)
+        handle = llm.loaded.model.get_input_embeddings().register_forward_hook(lambda *a: None)
+        try:
+            _generate(llm, graphs)
+        finally:
+            handle.remove()
+        assert graphs.entries == 0  # a hook added after start-up would be skipped by a replay
+    finally:
+        llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy,budget", [("no-offload", None), ("static-int2", "1GiB")])
+def test_cuda_graph_replays_compute_what_the_same_step_computes_eagerly(policy, budget):
+    """bf16, three rows: the captured step against the same static-KV step run eagerly (same kernels,
+    same shapes: only the capture differs), through a re-entry (bucket 8); then a later batch of
+    the same shape replays the graph it left behind. (Static against dynamic KV is the CPU tests'
+    job, in float32: in bf16 a near-tie in a router can flip an expert and move the logits.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = moetide.LLM(device="cuda", policy=policy, gpu_memory=budget, dtype="bfloat16", cuda_graphs="off")
+    try:
+        want = _teacher_forced_logits(llm, _decoder(llm, capture=False, column_bucket=8), 10)
+        graphs = _decoder(llm, capture=True, column_bucket=8)
+        got = _teacher_forced_logits(llm, graphs, 10)
+        assert graphs.failed is None, graphs.failed
+        assert graphs.captures >= 2 and graphs.replays == 10, (graphs.captures, graphs.replays)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2, msg=f"step {step}")
+            assert torch.equal(g.argmax(-1), w.argmax(-1)), f"step {step}"
+        graphs = _decoder(llm, capture=True, column_bucket=64)  # one shape covers all 10 steps
+        first = _teacher_forced_logits(llm, graphs, 10)
+        again = _teacher_forced_logits(llm, graphs, 10)
+        assert graphs.captures == 1 and graphs.allocations == 1 and graphs.replays == 20
+        for step, (a, b) in enumerate(zip(first, again, strict=True)):
+            torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2, msg=f"reused, step {step}")
+    finally:
+        llm.close()
+
+
+@pytest.mark.gpu
+def test_float32_captures_one_row_and_leaves_grouped_rows_eager():
+    """float32: one row (gathered experts) is captured and matches the dynamic path; three rows would
+    take grouped_mm's host-looping fallback (not capturable: run 12), so they are never entered."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = moetide.LLM(device="cuda", policy="no-offload", dtype="float32", cuda_graphs="off")
+    try:
+        assert llm.loaded.runtime.decode_is_sync_free(1)
+        assert not llm.loaded.runtime.decode_is_sync_free(3)
+        graphs = _decoder(llm, capture=True, column_bucket=8)
+        params = moetide.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        want = llm.generate([PROMPTS[1]], params)[0].token_ids
+        llm.engine.runner.graphs = graphs
+        got = llm.generate([PROMPTS[1]], params)[0].token_ids
+        assert got == want and graphs.failed is None and graphs.captures >= 1
+        graphs.entries = 0
+        assert _generate(llm, graphs) == _generate(llm, None) and graphs.entries == 0
+    finally:
+        llm.close()
