@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/machine.txt"
 MT="python3 -m moetide.cli"
 DEADLINE=${DEADLINE:-570}  # seconds after the start by which every step has ended (the call's limit is 600)
-T() { local left=$((DEADLINE - SECONDS)); if [ $left -lt $1 ]; then echo $left; else echo $1; fi; }
+T() { local left=$((DEADLINE - SECONDS)); [ $left -lt 1 ] && left=1; if [ $left -lt $1 ]; then echo $left; else echo $1; fi; }
 for step in "$@"; do
   echo "=== $step $(date +%T), $((DEADLINE - SECONDS)) s left"
   [ $((DEADLINE - SECONDS)) -lt 20 ] && { echo "skipped: no time left"; continue; }
@@ -51,7 +51,8 @@ for step in "$@"; do
               # tokens, the first 16 replayed as warm-up) onto the OLMoE expert size, 25 % of the experts
               TR=/tmp/trace_heldout.safetensors
               [ -f $TR ] || timeout $(T 120) $MT bench --record-trace $TR --num-prompts 48 --output-len 32 --max-input-len 128 2>&1 | tail -1
-              for d in 1 2 3; do
+              for d in ${TRACE_DS:-1 2 3}; do  # TRACE_DS="2 3": only those distances
+                [ $((DEADLINE - SECONDS)) -lt 30 ] && { echo "d=$d skipped: no time left"; continue; }
                 timeout $(T 150) $MT bench --synthetic olmoe-1b-7b --trace $TR --gpu-memory 25% --trace-warmup 16 --prefetch-distance $d \
                   --policy finemoe,moe-infinity$([ $d = 1 ] && echo ,on-demand) --out "$OUT/trace/d$d" --quiet 2>&1 \
                   | grep -v "Warn\|Loading" | tail -8

@@ -345,6 +345,8 @@ def test_bench_cli_end_to_end(qwen3_checkpoint, tmp_path):
         "int4",
         "--lo-kernel",
         "dequant",
+        "--cuda-graphs",
+        "off",
         "--prefetch-distance",
         "1",
         "--out",
@@ -365,8 +367,10 @@ def test_bench_cli_end_to_end(qwen3_checkpoint, tmp_path):
         "hi_precision": "int4",
         "host_versions": None,
         "lo_kernel": "dequant",
+        "cuda_graphs": "off",
         "lo_kernel_max_tokens": 0,
     }
+    assert run["cuda_graph_stats"] is None  # off (and a CPU run has no graphs either)
     proc = run_cli("bench", "--model", str(qwen3_checkpoint), "--mode", "online", "--out", str(tmp_path))
     assert_one_line_error(proc, "--rate")
     proc = run_cli("bench", "--model", str(qwen3_checkpoint), "--policy", "fastest", "--out", str(tmp_path))

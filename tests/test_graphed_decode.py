@@ -165,3 +165,30 @@ def test_float32_captures_one_row_and_leaves_grouped_rows_eager():
         assert _generate(llm, graphs) == _generate(llm, None) and graphs.entries == 0
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "deepseek_v2"])
+def test_every_family_decodes_from_fixed_buffers_as_from_the_dynamic_cache(tiny_checkpoints, family):
+    """Each supported family's attention (GQA, shared experts, MLA with its own key/value widths)
+    reads and writes the fixed buffers as it does the dynamic cache: same greedy tokens, rows
+    leaving at different steps and the columns running out on the way."""
+    path, _ = tiny_checkpoints[family]
+    llm = moetide.LLM(str(path), device="cpu", policy="no-offload", dtype="float32")
+    try:
+        graphs = _decoder(llm, capture=False, column_bucket=8)
+        if not graphs.cacheable:
+            pytest.skip(f"{family}: transformers builds no plain static cache for this config")
+        prompts = [[3, 5, 7, 9, 11], [4, 6], [8, 10, 12, 14, 16, 18, 20]]
+        runs = {}
+        for name, decoder in (("dynamic", None), ("static", graphs)):
+            llm.engine.runner.graphs = decoder
+            params = [moetide.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 13, 9)]
+            seqs = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+            runs[name] = [s.output_ids for s in seqs]
+        llm.engine.runner.graphs = None
+    finally:
+        llm.close()
+    assert runs["static"] == runs["dynamic"]
+    assert graphs.entries >= 3

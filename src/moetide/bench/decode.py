@@ -89,7 +89,7 @@ def bench_moetide(
         "metrics": {k: v for k, v in llm.metrics.snapshot().items() if k != "per_layer"},
         "resident": llm.loaded.runtime.residency.resident_counts(),
         "plan": getattr(getattr(llm.loaded.runtime.residency, "plan", None), "describe", lambda: None)(),
-        "cuda_graphs": graph_stats(llm),
+        "cuda_graphs": graph_stats(llm.engine.runner),
     }
     llm.close()
     del llm
@@ -97,13 +97,14 @@ def bench_moetide(
     return result
 
 
-def graph_stats(llm) -> dict | None:
-    """What the CUDA-graph decoder did (engine/graphed_decode.py), or None when it is off."""
-    graphs = llm.engine.runner.graphs
+def graph_stats(runner) -> dict | None:
+    """What a `ModelRunner`'s CUDA-graph decoder did (engine/graphed_decode.py), or None when off."""
+    graphs = runner.graphs
     if graphs is None:
         return None
     return {
         "entries": graphs.entries,
+        "allocations": graphs.allocations,
         "captures": graphs.captures,
         "replays": graphs.replays,
         "failed": graphs.failed,

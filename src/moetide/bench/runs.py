@@ -154,6 +154,7 @@ def run_moetide(
     steps) and `requests` the rest.
     """
     from ..engine.llm import build_engine
+    from .decode import graph_stats
     from .replay import TraceReplay
 
     free_device()
@@ -200,11 +201,13 @@ def run_moetide(
                 "hi_precision": config.hi_precision,
                 "host_versions": list(config.host_versions) if config.host_versions is not None else None,
                 "lo_kernel": config.lo_kernel,
+                "cuda_graphs": config.cuda_graphs,
                 # the largest decode batch the fused lo kernel computes (0: dequant everywhere)
                 "lo_kernel_max_tokens": loaded.runtime.lowbit_max_tokens
                 if loaded.runtime.lowbit_kernel
                 else 0,
             },
+            "cuda_graph_stats": graph_stats(engine.runner),
             "plan": plan.describe() if plan is not None else None,
             "hi_slots": plan.hi_slots if plan is not None else None,
             "lo_slots": plan.lo_slots if plan is not None else None,
