@@ -153,6 +153,10 @@ class GraphedDecoder:
         self.replays = 0
         self.failed: str | None = None  # why capturing was switched off, after an error
 
+    def close(self) -> None:
+        """Let go of the kept buffers and graph (the running batch, if any, keeps its own)."""
+        self.kept = None
+
     def _cache_is_plain(self) -> bool:
         """Only full-attention layers of transformers' own `StaticLayer` (no sliding windows)."""
         from transformers import StaticCache

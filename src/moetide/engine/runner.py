@@ -107,7 +107,8 @@ class BatchKVCache:
                 layer.values = layer.values[..., lead:, :]
 
     def kv_bytes(self) -> int:
-        self.ensure_dynamic()
+        if self.static is not None:  # the fixed buffers, all their columns
+            return sum(l.keys.numel() * l.keys.element_size() * 2 for l in self.static.cache.layers)
         return sum(l.keys.numel() * l.keys.element_size() * 2 for l in _cache_layers(self.cache))
 
 
