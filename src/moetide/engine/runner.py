@@ -54,16 +54,17 @@ class BatchKVCache:
 
     def close(self) -> None:
         """The batch is done (every row finished or failed): give fixed buffers back unread."""
-        if self.static is not None:
-            state, self.static = self.static, None
-            if self._on_leave is not None:
-                self._on_leave(state)
+        self._leave_static(write_back=False)
 
     def ensure_dynamic(self) -> None:
         """Move the KV back from fixed buffers into the `DynamicCache` (no-op when it is there)."""
+        self._leave_static(write_back=True)
+
+    def _leave_static(self, *, write_back: bool) -> None:
         if self.static is not None:
             state, self.static = self.static, None
-            state.write_back(self)
+            if write_back:
+                state.write_back(self)
             if self._on_leave is not None:
                 self._on_leave(state)
 
