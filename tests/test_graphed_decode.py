@@ -192,3 +192,30 @@ def test_every_family_decodes_from_fixed_buffers_as_from_the_dynamic_cache(tiny_
         llm.close()
     assert runs["static"] == runs["dynamic"]
     assert graphs.entries >= 3
+
+
+def test_a_predictive_policy_with_nothing_to_offload_is_not_attached_and_observers_block_capture():
+    """No cap and every expert in hi ("all-hi", what an uncapped GPU run of a model that fits gets):
+    FineMoE/DynaExq have nothing to decide, so no hooks are attached and the steps stay capturable.
+    An observer that wants each layer's ids on the host (PolicyHooks with the runtime) makes them
+    not capturable."""
+    from dataclasses import replace
+
+    from moetide.engine.llm import attach_policy
+    from moetide.policies.hooks import PolicyHooks
+
+    llm = moetide.LLM(device="cpu", policy="no-offload", gpu_memory="1GiB")
+    try:
+        loaded = llm.loaded
+        assert loaded.runtime.residency.options.mode == "all-hi"
+        attach_policy(replace(llm.config, policy="combined"), loaded)
+        assert loaded.policy is None and loaded.policy_hooks is None
+        assert loaded.runtime.decode_is_sync_free(1)
+        hooks = PolicyHooks(loaded.model, loaded.adapter, [], runtime=loaded.runtime)
+        try:
+            assert not loaded.runtime.decode_is_sync_free(1)
+        finally:
+            hooks.remove()
+        assert loaded.runtime.decode_is_sync_free(1)
+    finally:
+        llm.close()

@@ -92,8 +92,9 @@ class ExpertRuntime:
     def decode_is_sync_free(self, num_tokens: int) -> bool:
         """Whether `run_layer` computes a `num_tokens`-token step with no host sync (and no host-side
         decision), so that the step can be captured as a CUDA graph: every expert hi-resident at a
-        fixed slot, or lo-resident at a fixed slot with the fused kernel (or one token)."""
-        if self.residency is None:
+        fixed slot, or lo-resident at a fixed slot with the fused kernel (or one token); and no
+        observer waits for each layer's ids on the host (`on_host_ids`: a replay would skip it)."""
+        if self.residency is None or self.on_host_ids is not None:
             return False
         static_hi = self.residency.static_hi_groups(0)
         if static_hi is not None:

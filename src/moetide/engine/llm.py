@@ -62,7 +62,8 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
 
     Residency-only policies (on-demand, static-*, no-offload) need no object: the memory mode is the
     policy. dynaexq gets every hi slot for its hot set; combined gives half to DynaExq's hot set
-    and leaves half to FineMoE's prefetches.
+    and leaves half to FineMoE's prefetches. Neither is attached when no cap was given and the whole
+    model fits in hi (the residency's "all-hi" mode): then decode steps can be CUDA graphs.
     """
     from ..policies import make_policy
     from ..policies.hooks import PolicyHooks
@@ -70,6 +71,8 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     residency = loaded.runtime.residency
     if config.policy not in PREDICTIVE_POLICIES or not hasattr(residency, "plan"):
         return
+    if residency.options.mode == "all-hi":
+        return  # no cap given and every expert fits in hi: nothing to prefetch or requantize
     layers = len(loaded.moe_layers)
     experts = loaded.store.num_experts
     share = 1.0 if config.policy == "dynaexq" else 0.5
