@@ -723,8 +723,12 @@ def render_stats(stats) -> str:
             f"{tr.get('aligned_window_fraction', 0.0):.0%} of windows starting at a conversation start, "
             f"weight EMA {tr.get('ema_decay', 0.0) or 'off'} (shipped: {tr.get('shipped_weights', 'last')} weights"
             + (f"; quick held-out EMA {tr['ema_quick_heldout']}" if tr.get("ema_quick_heldout") else "")
-            + f"), seed {tr['seed']}; experts implementation `{tr['experts_implementation']}` "
-            f"(microbench s/step: {tr['experts_microbench_s_per_step']}).",
+            + f"), seed {tr['seed']}; experts implementation `{tr['experts_implementation']}`"
+            + (  # chosen by a microbenchmark only when not given on the command line
+                f" (microbench s/step: {tr['experts_microbench_s_per_step']})."
+                if tr.get("experts_microbench_s_per_step")
+                else " (given)."
+            ),
             "- Loss curve: `loss_curve.png` (train cross-entropy; held-out loss of the first "
             f"{tr['quick_eval_convs']} held-out conversations during training).",
             "",
