@@ -163,20 +163,37 @@ def test_chat_template_and_end_of_turn(demo_tokenizer):
         assert eot in (eos if isinstance(eos, list) else [eos])
 
 
+def _training_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
+    spec = importlib.util.spec_from_file_location("train_demo_model", path)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    return train
+
+
+def test_model_card_is_what_the_script_renders_from_the_shipped_training_stats():
+    """MODEL.md holds, line for line, what `train_demo_model.py --stage report` renders from the
+    shipped `training_stats.json` (the numbers the script prints), and its headline held-out loss is
+    the stats' own."""
+    demo = Path(__file__).resolve().parents[1] / "src" / "moetide" / "demo_model"
+    stats = json.loads((demo / "training_stats.json").read_text())
+    card = (demo / "MODEL.md").read_text()
+    rendered = _training_script().render_stats(stats)
+    assert [line for line in rendered.splitlines() if line not in card] == []
+    assert f"**{stats['eval']['heldout_loss']:.4f}**" in card
+
+
 def test_training_experts_forward_matches_eager_loss_and_gradients():
     """The training script's `grouped_mm_bf16` experts (bf16 grouped GEMMs on fp32 master weights) give
     transformers' eager experts' loss and expert-weight gradients, to bf16 precision."""
-    import importlib.util
-
     import torch
     from transformers import Qwen3MoeForCausalLM
 
     if not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no torch.nn.functional.grouped_mm")
-    path = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
-    spec = importlib.util.spec_from_file_location("train_demo_model", path)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = _training_script()
     train.register_training_experts()
     cfg = train.make_config()
     cfg.num_hidden_layers = 2
