@@ -27,7 +27,7 @@ import torch
 
 from moetide.bench.decode import bench_hf, bench_moetide
 from moetide.bench.synthetic import write_synthetic_checkpoint
-from moetide.config import LO_KERNELS
+from moetide.config import CUDA_GRAPHS, LO_KERNELS
 from moetide.residency import POLICY_MODES
 
 
@@ -60,8 +60,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     graph_modes = [g for g in args.cuda_graphs.split(",") if g]
-    if not graph_modes or any(g not in ("auto", "off") for g in graph_modes):
-        ap.error("--cuda-graphs takes a comma-separated list of auto, off")
+    if not graph_modes or any(g not in CUDA_GRAPHS for g in graph_modes):
+        ap.error(f"--cuda-graphs takes a comma-separated list of {', '.join(CUDA_GRAPHS)}")
     lo_kernels = [k for k in args.lo_kernel.split(",") if k]
     if not lo_kernels or any(k not in LO_KERNELS for k in lo_kernels):
         ap.error(f"--lo-kernel takes a comma-separated list of {', '.join(LO_KERNELS)}")
@@ -111,10 +111,9 @@ def main() -> int:
     for spec in args.policies.split(","):
         policy, _, on_miss = spec.partition(":")
         budget = None if policy == "no-offload" else args.budget
-        has_lo = POLICY_MODES.get(policy, (None, False))[1]
+        mode, has_lo = POLICY_MODES.get(policy, (None, False))
         kernels = lo_kernels if has_lo else ["auto"]  # the kernel only matters for lo versions
-        graphable = policy == "no-offload" or policy.startswith("static-")
-        graphs = graph_modes if graphable else ["auto"]  # only these policies are ever captured
+        graphs = graph_modes if mode in ("all-hi", "all-lo") else ["auto"]  # only these are ever captured
         runs = [(k, g, i) for k in kernels for g in graphs for i in range(args.repeat)]
         for lo_kernel, cuda_graphs, repeat in runs:
             try:

@@ -67,7 +67,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         default="auto",
         choices=CUDA_GRAPHS,
         help="replay decode steps as CUDA graphs where the experts need no host decision (no-offload,"
-        " static-int4/int2 on CUDA; default auto), or launch every step from Python (off)",
+        " static-int4/int2, uncapped runs that fit; CUDA only; default auto), or launch every step"
+        " from Python (off)",
     )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)

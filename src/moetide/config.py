@@ -95,8 +95,9 @@ class EngineConfig:
             (the default: triton where it can run, else dequant; measured on the H200, triton is
             3.6-18x faster per layer and 1.15-1.22x faster per decode step, BENCHMARKS.md).
         cuda_graphs: "auto" (the default: on a CUDA device, decode steps whose experts need no host
-            decision, i.e. no-offload and static-int4/int2, are captured once per batch shape and
-            replayed; see engine/graphed_decode.py) or "off" (every step launched from Python).
+            decision, i.e. no-offload, static-int4/int2 and uncapped runs whose experts all fit in hi,
+            are captured once per batch shape and replayed; see engine/graphed_decode.py) or "off"
+            (every step launched from Python).
     """
 
     model: str
@@ -123,7 +124,7 @@ class EngineConfig:
         if self.lo_precision not in ("auto", "int4", "int2"):
             raise ConfigError(f"lo precision must be auto, int4 or int2, got {self.lo_precision!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
-            raise ConfigError(f"--cuda-graphs must be auto or off, got {self.cuda_graphs!r}")
+            raise ConfigError(f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
         if self.on_miss not in ("stall", "lo"):
             raise ConfigError(f"--on-miss must be 'stall' or 'lo', got {self.on_miss!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -89,26 +89,12 @@ def bench_moetide(
         "metrics": {k: v for k, v in llm.metrics.snapshot().items() if k != "per_layer"},
         "resident": llm.loaded.runtime.residency.resident_counts(),
         "plan": getattr(getattr(llm.loaded.runtime.residency, "plan", None), "describe", lambda: None)(),
-        "cuda_graphs": graph_stats(llm.engine.runner),
+        "cuda_graphs": llm.engine.runner.graph_stats(),
     }
     llm.close()
     del llm
     _free_device()
     return result
-
-
-def graph_stats(runner) -> dict | None:
-    """What a `ModelRunner`'s CUDA-graph decoder did (engine/graphed_decode.py), or None when off."""
-    graphs = runner.graphs
-    if graphs is None:
-        return None
-    return {
-        "entries": graphs.entries,
-        "allocations": graphs.allocations,
-        "captures": graphs.captures,
-        "replays": graphs.replays,
-        "failed": graphs.failed,
-    }
 
 
 def _decode_step_times_ms(llm, ids: list[int], new_tokens: int) -> list[float]:

@@ -154,7 +154,6 @@ def run_moetide(
     steps) and `requests` the rest.
     """
     from ..engine.llm import build_engine
-    from .decode import graph_stats
     from .replay import TraceReplay
 
     free_device()
@@ -207,7 +206,7 @@ def run_moetide(
                 if loaded.runtime.lowbit_kernel
                 else 0,
             },
-            "cuda_graph_stats": graph_stats(engine.runner),
+            "cuda_graph_stats": engine.runner.graph_stats(),
             "plan": plan.describe() if plan is not None else None,
             "hi_slots": plan.hi_slots if plan is not None else None,
             "lo_slots": plan.lo_slots if plan is not None else None,

@@ -71,8 +71,8 @@ class StaticDecodeState:
         for static, dynamic in zip(self.cache.layers, batch.cache.layers, strict=True):
             static.keys[..., :start, :].copy_(dynamic.keys)
             static.values[..., :start, :].copy_(dynamic.values)
-            static.cumulative_length.fill_(start)
             dynamic.keys = dynamic.values = None
+        self._set_written(start)
         self.mask.zero_()
         self.mask[:, 0, 0, :start] = batch.mask.bool()
         self.positions.copy_(batch.lengths.reshape(self.rows, 1))
@@ -97,10 +97,14 @@ class StaticDecodeState:
             self.logits.copy_(out.logits[:, -1, :])
         self.positions.add_(1)
 
+    def _set_written(self, columns: int) -> None:
+        """Every layer's next write goes to column `columns` (StaticLayer's device-side counter)."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(columns)
+
     def rewind(self, used: int, positions: torch.Tensor) -> None:
         """Undo the warm-up steps of a capture: columns after `used` are free again."""
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(used)
+        self._set_written(used)
         self.mask[..., used:] = False
         self.positions.copy_(positions)
 
@@ -157,6 +161,16 @@ class GraphedDecoder:
         """Let go of the kept buffers and graph (the running batch, if any, keeps its own)."""
         self.kept = None
 
+    def stats(self) -> dict:
+        """What this decoder did (bench JSON)."""
+        return {
+            "entries": self.entries,
+            "allocations": self.allocations,
+            "captures": self.captures,
+            "replays": self.replays,
+            "failed": self.failed,
+        }
+
     def _cache_is_plain(self) -> bool:
         """Only full-attention layers of transformers' own `StaticLayer` (no sliding windows)."""
         from transformers import StaticCache
@@ -186,8 +200,8 @@ class GraphedDecoder:
 
     @torch.inference_mode()
     def decode(self, batch, last_tokens: torch.Tensor) -> torch.Tensor | None:
-        """`last_tokens (B,)` -> logits `(B, V)` from the fixed buffers, or None: not applicable (the
-        caller runs the dynamic path). Grows the batch by one column either way it is called."""
+        """`last_tokens (B,)` -> logits `(B, V)` from the fixed buffers (the batch grows by one
+        column), or None: not applicable, nothing done (the caller runs the dynamic path)."""
         state: StaticDecodeState | None = batch.static
         if state is None or state.full:
             if state is not None:

@@ -231,6 +231,5 @@ class LLM:
         if self.loaded.policy is not None:
             self.loaded.policy.close()
             self.loaded.policy_hooks.remove()
-        if self.engine.runner.graphs is not None:
-            self.engine.runner.graphs.close()
+        self.engine.runner.close()
         self.loaded.runtime.residency.close()

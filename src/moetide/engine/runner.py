@@ -108,9 +108,9 @@ class BatchKVCache:
                 layer.values = layer.values[..., lead:, :]
 
     def kv_bytes(self) -> int:
-        if self.static is not None:  # the fixed buffers, all their columns
-            return sum(l.keys.numel() * l.keys.element_size() * 2 for l in self.static.cache.layers)
-        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in _cache_layers(self.cache))
+        """Bytes of KV held: the fixed buffers (all their columns) while decoding from them."""
+        layers = self.static.cache.layers if self.static is not None else _cache_layers(self.cache)
+        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in layers)
 
 
 class ModelRunner:
@@ -123,6 +123,14 @@ class ModelRunner:
         self.device = device
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.graphs = graphs  # a graphed_decode.GraphedDecoder, or None: every step eager
+
+    def graph_stats(self) -> dict | None:
+        """What the CUDA-graph decoder did, or None when there is none."""
+        return self.graphs.stats() if self.graphs is not None else None
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
 
     def _new_cache(self):
         from transformers import DynamicCache
