@@ -22,7 +22,7 @@ for step in "$@"; do
     tests)    timeout $(T 150) python3 -m pytest -q -m gpu -p no:cacheprovider tests/ --ignore tests/test_lowbit_triton.py \
                 --ignore tests/test_server.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
     graphtests) timeout $(T 120) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphed_decode.py \
-                tests/test_policies_trace.py -k "graph or published_after" 2>&1 | tail -60 | tee "$OUT/gpu_graph_tests.log" ;;
+                tests/test_policies_trace.py -k "graph or published_after" 2>&1 | tail -150 | tee "$OUT/gpu_graph_tests.log" ;;
     lotests)  timeout $(T 120) python3 -m pytest -q -p no:cacheprovider tests/test_lowbit_triton.py tests/test_gpu.py -k "${LOTESTS_K:-grouped or lo_kernel}" 2>&1 | tail -15 | tee "$OUT/gpu_lo_tests.log" ;;
     gpupeak)  timeout $(T 40) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k peak 2>&1 | tail -3 | tee "$OUT/gpu_peak.log" ;;
     lowbit)   timeout $(T 60) python3 scripts/bench_lowbit.py "$OUT/bench_lowbit.json" --sweep 2>&1 | tail -30 ;;
@@ -40,7 +40,8 @@ for step in "$@"; do
     server)   timeout $(T 130) python3 scripts/bench_server.py --concurrency 1 8 32 --requests-per-client 2 --output-len 64 \
                 --out "$OUT/server.json" -- --policy combined --gpu-memory 1GiB 2>&1 | grep -v "loading weights" | tail -12
               pkill -f "moetide.cli serve" ; pkill -f "moetide serve" ; true ;;
-    searcher) timeout $(T 70) python3 scripts/bench_searcher.py --warm 24 --prompts 4 --new-tokens 32 --out "$OUT/searcher.json" 2>&1 | tail -16 ;;
+    searcher) timeout $(T 200) python3 scripts/bench_searcher.py --warm 24 --prompts 6 --new-tokens 32 --out "$OUT/searcher.json" \
+                2>&1 | grep -v "Warn\|Loading" | tail -50 ;;
     bs32)     timeout $(T 180) $MT bench --synthetic olmoe-1b-7b --policy combined,lru,on-demand --gpu-memory 4GiB --lo-kernel triton \
                 --batch-size 32 --output-len 32 --max-input-len 128 --out "$OUT/bs32" 2>&1 | grep -v "Warn\|Loading" | tail -12 ;;
     profile)  timeout $(T 150) python3 scripts/profile_decode.py --out "$OUT/profile_bs32.json" --policies combined,static-int2 \

@@ -347,6 +347,8 @@ def test_bench_cli_end_to_end(qwen3_checkpoint, tmp_path):
         "dequant",
         "--cuda-graphs",
         "off",
+        "--searcher",
+        "thread",
         "--prefetch-distance",
         "1",
         "--out",
@@ -368,6 +370,7 @@ def test_bench_cli_end_to_end(qwen3_checkpoint, tmp_path):
         "host_versions": None,
         "lo_kernel": "dequant",
         "cuda_graphs": "off",
+        "searcher": "thread",
         "lo_kernel_max_tokens": 0,
     }
     assert run["cuda_graph_stats"] is None  # off (and a CPU run has no graphs either)

@@ -48,7 +48,7 @@ def _assert_steps_close(got, want, *, atol: float, rtol: float, label: str = "")
     """Per-step logits `(B, V)` of two runs agree; a failure names the step."""
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=f"{label}step {step}")
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=lambda m, step=step: f"{label}step {step}: {m}")
 
 
 CPU_TOL = {"atol": 2e-4, "rtol": 1e-4}  # float32 on the CPU: static and dynamic KV agree this closely
@@ -124,37 +124,57 @@ def test_policies_with_host_decisions_and_observers_are_never_run_from_fixed_buf
         llm.close()
 
 
+def _row_diffs(got, want) -> torch.Tensor:
+    """(steps, rows): max |logit difference| of each row at each step."""
+    return torch.stack([(g - w).abs().amax(-1) for g, w in zip(got, want, strict=True)])
+
+
+def _argmax_agreement(got, want) -> int:
+    return sum(int((g.argmax(-1) == w.argmax(-1)).sum()) for g, w in zip(got, want, strict=True))
+
+
+def _assert_within_run_to_run_noise(got, want, control, label: str) -> None:
+    """bf16 on the H200 is not bit-reproducible from run to run (run 15: the same eager path twice
+    differs by up to 1.2 in a logit, median 0.125 per row), so a replay is held to the noise of
+    `control` (a second eager run against `want`): a typical row no further off than twice the noise,
+    and the greedy tokens no less often equal. A stale position, mask column or KV write moves every
+    row by several units."""
+    noise, diff = _row_diffs(control, want), _row_diffs(got, want)
+    assert float(diff.median()) <= 2 * float(noise.median()) + 0.05, (label, diff, noise)
+    assert _argmax_agreement(got, want) >= _argmax_agreement(control, want) - 2, (label, diff, noise)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy,budget", [("no-offload", None), ("static-int2", "1GiB")])
 def test_cuda_graph_replays_compute_what_the_same_step_computes_eagerly(policy, budget):
     """bf16, three rows: the captured step against the same static-KV step run eagerly (same kernels,
     same shapes: only the capture differs), through a re-entry (bucket 8); then a later batch of
-    the same shape replays the graph it left behind. (Static against dynamic KV is the CPU tests'
-    job, in float32: in bf16 a near-tie in a router can flip an expert and move the logits.)"""
+    the same shape replays the graph it left behind."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     llm = moetide.LLM(device="cuda", policy=policy, gpu_memory=budget, dtype="bfloat16", cuda_graphs="off")
     try:
         want = _teacher_forced_logits(llm, _decoder(llm, capture=False, column_bucket=8), 10)
+        control = _teacher_forced_logits(llm, _decoder(llm, capture=False, column_bucket=8), 10)
         graphs = _decoder(llm, capture=True, column_bucket=8)
         got = _teacher_forced_logits(llm, graphs, 10)
         assert graphs.failed is None, graphs.failed
         assert graphs.captures >= 2 and graphs.replays == 10, (graphs.captures, graphs.replays)
-        _assert_steps_close(got, want, atol=2e-2, rtol=2e-2)
-        assert [torch.equal(g.argmax(-1), w.argmax(-1)) for g, w in zip(got, want)] == [True] * 10
+        _assert_within_run_to_run_noise(got, want, control, "captured")
         graphs = _decoder(llm, capture=True, column_bucket=64)  # one shape covers all 10 steps
         first = _teacher_forced_logits(llm, graphs, 10)
         again = _teacher_forced_logits(llm, graphs, 10)
         assert graphs.captures == 1 and graphs.allocations == 1 and graphs.replays == 20
-        _assert_steps_close(again, first, atol=2e-2, rtol=2e-2, label="reused, ")
+        _assert_within_run_to_run_noise(again, want, control, "reused")
+        _assert_within_run_to_run_noise(first, want, control, "first of bucket 64")
     finally:
         llm.close()
 
 
 @pytest.mark.gpu
 def test_float32_captures_one_row_and_leaves_grouped_rows_eager():
-    """float32: one row (gathered experts) is captured and matches the dynamic path; three rows would
-    take grouped_mm's host-looping fallback (not capturable: run 12), so they are never entered."""
+    """float32: one row (gathered experts) is captured and matches the dynamic path; two or three rows
+    would take grouped_mm's host-looping fallback (not capturable: run 12), so they are never entered."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     llm = moetide.LLM(device="cuda", policy="no-offload", dtype="float32", cuda_graphs="off")
@@ -167,8 +187,10 @@ def test_float32_captures_one_row_and_leaves_grouped_rows_eager():
         llm.engine.runner.graphs = graphs
         got = llm.generate([PROMPTS[1]], params)[0].token_ids
         assert got == want and graphs.failed is None and graphs.captures >= 1
-        graphs.entries = 0
-        assert _generate(llm, graphs) == _generate(llm, None) and graphs.entries == 0
+        graphs.rows_entered.clear()
+        assert _generate(llm, graphs) == _generate(llm, None)
+        # rows leave at 5 and 11 tokens: the last row alone may be captured, never two or three
+        assert set(graphs.rows_entered) <= {1}, graphs.rows_entered
     finally:
         llm.close()
 

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from .config import CUDA_GRAPHS, LO_KERNELS, POLICIES, EngineConfig, format_bytes, parse_bytes
+from .config import CUDA_GRAPHS, LO_KERNELS, POLICIES, SEARCHERS, EngineConfig, format_bytes, parse_bytes
 from .errors import MoetideError
 
 
@@ -70,6 +70,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         " static-int4/int2, uncapped runs that fit; CUDA only; default auto), or launch every step"
         " from Python (off)",
     )
+    p.add_argument(
+        "--searcher",
+        default="process",
+        choices=SEARCHERS,
+        help="where FineMoE's map searcher runs (finemoe, combined): its own process (default) or a"
+        " thread of the engine's process",
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -93,8 +100,8 @@ def engine_config_from_args(args) -> EngineConfig:
 
 
 def precision_options_from_args(args) -> dict:
-    """The `EngineConfig` fields of --hi, --host-versions, --lo-kernel and --cuda-graphs (shared with
-    `moetide bench`)."""
+    """The `EngineConfig` fields of --hi, --host-versions, --lo-kernel, --cuda-graphs and --searcher
+    (shared with `moetide bench`)."""
     return {
         "hi_precision": "hi" if args.hi_precision == "bf16" else args.hi_precision,
         "host_versions": None
@@ -102,6 +109,7 @@ def precision_options_from_args(args) -> dict:
         else tuple(v for v in args.host_versions.split(",") if v),
         "lo_kernel": args.lo_kernel,
         "cuda_graphs": args.cuda_graphs,
+        "searcher": args.searcher,
     }
 
 

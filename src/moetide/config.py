@@ -65,6 +65,7 @@ def format_bytes(n: float) -> str:
 
 
 CUDA_GRAPHS = ("auto", "off")
+SEARCHERS = ("process", "thread")  # where FineMoE's searcher runs (policies/finemoe.py)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,10 @@ class EngineConfig:
             decision, i.e. no-offload, static-int4/int2 and uncapped runs whose experts all fit in hi,
             are captured once per batch shape and replayed; see engine/graphed_decode.py) or "off"
             (every step launched from Python).
+        searcher: where FineMoE's map searcher runs (finemoe, combined): "process" (the default: its
+            own process, fed through shared memory; the forward thread only copies observations
+            in and decisions out) or "thread" (a thread of the engine's process, which shares the
+            GIL with the forward thread; BENCHMARKS.md section 5 compares them).
     """
 
     model: str
@@ -116,6 +121,7 @@ class EngineConfig:
     host_versions: tuple[str, ...] | None = None
     lo_kernel: str = "auto"
     cuda_graphs: str = "auto"
+    searcher: str = "process"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,6 +129,8 @@ class EngineConfig:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of: {', '.join(POLICIES)}")
         if self.lo_precision not in ("auto", "int4", "int2"):
             raise ConfigError(f"lo precision must be auto, int4 or int2, got {self.lo_precision!r}")
+        if self.searcher not in SEARCHERS:
+            raise ConfigError(f"--searcher must be one of {', '.join(SEARCHERS)}, got {self.searcher!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ConfigError(f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
         if self.on_miss not in ("stall", "lo"):

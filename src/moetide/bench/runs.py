@@ -201,6 +201,7 @@ def run_moetide(
                 "host_versions": list(config.host_versions) if config.host_versions is not None else None,
                 "lo_kernel": config.lo_kernel,
                 "cuda_graphs": config.cuda_graphs,
+                "searcher": config.searcher,
                 # the largest decode batch the fused lo kernel computes (0: dequant everywhere)
                 "lo_kernel_max_tokens": loaded.runtime.lowbit_max_tokens
                 if loaded.runtime.lowbit_kernel

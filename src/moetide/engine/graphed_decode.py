@@ -152,6 +152,7 @@ class GraphedDecoder:
         self.cacheable = self._cache_is_plain()
         self.kept: StaticDecodeState | None = None  # the last buffers, for a batch of their shape
         self.entries = 0  # times a batch moved into fixed buffers
+        self.rows_entered: dict[int, int] = {}  # batch rows -> entries with that many rows
         self.allocations = 0  # times new buffers were allocated for it (the rest reused the last)
         self.captures = 0  # graphs recorded (each costs two eager steps and a capture)
         self.replays = 0
@@ -165,6 +166,7 @@ class GraphedDecoder:
         """What this decoder did (bench JSON)."""
         return {
             "entries": self.entries,
+            "rows_entered": dict(self.rows_entered),
             "allocations": self.allocations,
             "captures": self.captures,
             "replays": self.replays,
@@ -215,6 +217,7 @@ class GraphedDecoder:
             state.load(batch)
             batch.attach_static(state, self._left)
             self.entries += 1
+            self.rows_entered[batch.batch_size] = self.rows_entered.get(batch.batch_size, 0) + 1
         state.input_ids.copy_(last_tokens.reshape(-1, 1))
         if self.capture and state.graph is None:
             try:

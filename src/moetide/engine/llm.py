@@ -82,6 +82,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         prefetch_distance=config.prefetch_distance,
         n_hi=n_hi,
         map_store_path=config.extra.get("map_store_path"),
+        searcher=config.searcher,
     )
     loaded.policy = policy
     eviction = getattr(policy, "preferred_eviction", "lru")  # FineMoE (and combined): prob-freq

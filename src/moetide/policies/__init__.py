@@ -22,11 +22,13 @@ def make_policy(
     map_store_capacity: int = 1000,
     map_store_path: str | None = None,
     synchronous: bool = False,
+    searcher: str = "process",
 ):
     """The policy object for a `--policy` name.
 
     `n_hi` (hi experts per layer, see `dynaexq.n_hi_from_budget`) is required by "dynaexq" and
     "combined". `map_store_path`: a saved FineMoE store to start from (FineMoE, combined).
+    `searcher`: where FineMoE's searcher runs ("process", "thread"; `synchronous` runs it inline).
     """
     from .baselines import (
         LRUSpeculativePolicy,
@@ -43,6 +45,7 @@ def make_policy(
             prefetch_distance=prefetch_distance,
             map_store_capacity=map_store_capacity,
             synchronous=synchronous,
+            searcher=searcher,
         )
         if map_store_path:
             p.load_store(map_store_path)

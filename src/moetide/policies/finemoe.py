@@ -10,11 +10,15 @@ spares them until their layer has run). A step of several tokens (a prefill) nee
 tokens' experts, so its floor is the number of distinct experts it selected at its last observed layer
 (before any layer: `expected_distinct` from the matched distribution) instead of top-k.
 
-Asynchronous searcher (publisher/subscriber): the forward thread's methods only put an event on a
-`queue.SimpleQueue` (never blocks) and record how far the forward pass has got; a searcher thread
-consumes events, searches, and calls the sink. A search whose target layer the forward pass has
-already reached is skipped (`late_skipped`). `synchronous=True` runs the same handler inline (the
-simulator uses it, so simulated hit rates reflect this exact code).
+Asynchronous searcher (publisher/subscriber): the forward thread's methods only publish an event
+(never block) and record how far the forward pass has got; the searcher consumes events, searches,
+and calls the sink. A search whose target layer the forward pass has already reached is skipped
+(`late_skipped`). Where the searcher runs (`FineMoEConfig.searcher`):
+    "process"  its own process, fed through shared memory (`searcher_process.py`); the forward thread
+               hands the decisions the searcher wrote back to the sink at its next publish
+    "thread"   a thread of this process, fed through a `queue.SimpleQueue`; it calls the sink itself
+    "inline"   the forward thread runs the handler (the simulator: simulated hit rates reflect this
+               exact code); `synchronous=True` means the same
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ import torch
 
 from .base import PolicyBase
 from .expert_map import ExpertMapStore, delta_from_score, select_by_cumulative_probability
+from .searcher_process import KIND_BEGIN, KIND_END, KIND_LAYER
 
 _STOP = ("stop",)
+SEARCHERS = ("process", "thread", "inline")
 
 
 def expected_distinct(probs: torch.Tensor, num_tokens: int, top_k: int) -> int:
@@ -56,7 +62,8 @@ class FineMoEConfig:
     adaptive_delta: cumulative-probability selection (off = exactly the floor, top-k for one token).
     online_updates: insert each finished iteration's map into the store.
     protect_predictions: tell the sink to spare predicted experts from eviction.
-    synchronous: run the searcher inline (simulation, tests).
+    searcher: "process" (own process, shared memory), "thread" or "inline" (see the module docstring).
+    synchronous: run the searcher inline (simulation, tests), whatever `searcher` says.
     max_queue: events beyond this backlog are dropped (the forward pass never waits).
     preferred_eviction: eviction rule the simulator uses for this policy ("prob-freq": FineMoE's).
     """
@@ -68,6 +75,7 @@ class FineMoEConfig:
     adaptive_delta: bool = True
     online_updates: bool = True
     protect_predictions: bool = True
+    searcher: str = "process"
     synchronous: bool = False
     max_queue: int = 10_000
     preferred_eviction: str = "prob-freq"
@@ -79,6 +87,8 @@ class FineMoEConfig:
             raise ValueError(f"map_store_capacity must be >= 1, got {self.map_store_capacity}")
         if not (self.use_semantic or self.use_trajectory):
             raise ValueError("enable at least one of use_semantic / use_trajectory")
+        if self.searcher not in SEARCHERS:
+            raise ValueError(f"searcher must be one of {', '.join(SEARCHERS)}, got {self.searcher!r}")
 
 
 class FineMoEPolicy(PolicyBase):
@@ -98,6 +108,7 @@ class FineMoEPolicy(PolicyBase):
         self.store = store
         # forward-thread state (written only by the forward thread)
         self._progress: tuple[int, int] = (-1, -1)
+        self._num_tokens_published = 1
         # searcher state (touched only by the handler)
         self._it = -1
         self._embedding: torch.Tensor | None = None
@@ -119,11 +130,17 @@ class FineMoEPolicy(PolicyBase):
         self._idle = threading.Condition()
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
+        self._process = None  # searcher_process.SearcherProcess
+        self._asynchronous = not self.synchronous  # searches can be late (the handler checks)
 
     @property
     def synchronous(self) -> bool:
         """True when the searcher runs inline (what the simulator needs)."""
-        return self.config.synchronous
+        return self.config.synchronous or self.config.searcher == "inline"
+
+    @property
+    def _in_process(self) -> bool:
+        return not self.synchronous and self.config.searcher == "process"
 
     # -- set-up -------------------------------------------------------------------------------------
     def attach(self, sink, num_layers, num_experts, top_k) -> None:
@@ -139,10 +156,29 @@ class FineMoEPolicy(PolicyBase):
             num_experts,
         ):
             raise ValueError("the expert map store was built for a different model geometry")
-        if not self.config.synchronous and self._thread is None:
+        if self._in_process:
+            if self.store is not None:
+                self._start_process(self.store.hidden_size)
+        elif not self.synchronous and self._thread is None:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._searcher_loop, name="finemoe-searcher", daemon=True)
             self._thread.start()
+
+    def _start_process(self, hidden_size: int) -> None:
+        """Start the searcher process (once the embedding size is known: a store, or the first step)."""
+        if self._process is None and self.sink is not None:
+            from .searcher_process import SearcherProcess
+
+            geometry = (self.num_layers, self.num_experts, self.top_k, hidden_size)
+            self._process = SearcherProcess(self.config, geometry, self.store)
+
+    def _sync_store_from_process(self) -> None:
+        """Bring the searcher process's store (with its online inserts) back into `self.store`."""
+        if self._process is not None and self._process.alive:
+            self._process.drain()
+            store = self._process.fetch_store()
+            if store is not None:
+                self.store = store
 
     def _ensure_store(self, num_layers: int, num_experts: int, hidden_size: int) -> ExpertMapStore:
         if self.store is None:
@@ -158,9 +194,22 @@ class FineMoEPolicy(PolicyBase):
     def warm_up(self, trace) -> int:
         """Fill the store from a recorded `Trace` (every step's map, in order). Returns inserts."""
         m = trace.meta
-        return self._ensure_store(m.num_layers, m.num_experts, m.hidden_size).add_trace(trace)
+        self._sync_store_from_process()
+        inserted = self._ensure_store(m.num_layers, m.num_experts, m.hidden_size).add_trace(trace)
+        self._store_changed()
+        return inserted
+
+    def _store_changed(self) -> None:
+        """`self.store` was replaced or added to on this side: the searcher process gets it."""
+        if not self._in_process or self.store is None:
+            return
+        if self._process is None:
+            self._start_process(self.store.hidden_size)  # starts with the store
+        else:
+            self._process.send_store(self.store)
 
     def save_store(self, path) -> None:
+        self._sync_store_from_process()
         if self.store is None:
             raise ValueError("the expert map store is empty")
         self.store.save(path)
@@ -169,10 +218,11 @@ class FineMoEPolicy(PolicyBase):
         self.store = ExpertMapStore.load(
             path, capacity=self.config.map_store_capacity, prefetch_distance=self.config.prefetch_distance
         )
+        self._store_changed()
 
     # -- forward thread: publish only -----------------------------------------------------------------
     def _submit(self, event: tuple) -> None:
-        if self.config.synchronous:
+        if self.synchronous:
             self._handle(event)
             return
         if self._queue is None:
@@ -185,13 +235,35 @@ class FineMoEPolicy(PolicyBase):
 
     def begin_iteration(self, iteration, embedding, num_tokens, request_ids=()) -> None:
         self._progress = (iteration, -1)
+        self._num_tokens_published = num_tokens
+        if self._in_process:
+            if self._process is None:
+                self._start_process(int(embedding.shape[-1]))
+            process = self._process
+            if process is None:
+                return  # not attached
+            process.set_position(iteration, -1)
+            process.apply_decisions(self.sink)
+            process.publish(KIND_BEGIN, iteration, -1, num_tokens, embedding.numpy())
+            return
         self._submit(("begin", iteration, embedding, num_tokens))
 
     def observe_layer(self, iteration, layer, gate_probs, topk_ids) -> None:
         self._progress = (iteration, layer)
+        if self._process is not None:
+            process = self._process
+            process.set_position(iteration, layer)
+            process.apply_decisions(self.sink)
+            distinct = self.top_k if self._num_tokens_published == 1 else len(np.unique(topk_ids.numpy()))
+            process.publish(KIND_LAYER, iteration, layer, distinct, gate_probs.numpy())
+            return
         self._submit(("layer", iteration, layer, gate_probs, topk_ids))
 
     def end_iteration(self, iteration) -> None:
+        if self._process is not None:
+            self._process.apply_decisions(self.sink)
+            self._process.publish(KIND_END, iteration, -1, 0)
+            return
         self._submit(("end", iteration))
 
     # -- searcher -----------------------------------------------------------------------------------
@@ -211,9 +283,17 @@ class FineMoEPolicy(PolicyBase):
                     self._idle.notify_all()
 
     def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait until the searcher has handled every event published so far (tests, shutdown only)."""
-        if self.config.synchronous:
+        """Wait until the searcher has handled every event published so far (tests, shutdown only).
+        With a searcher process, its decisions so far are handed to the sink too, and its errors
+        copied into `errors`."""
+        if self.synchronous:
             return True
+        if self._process is not None:
+            done = self._process.drain(timeout_s)
+            self._process.apply_decisions(self.sink)
+            if self._process.alive:
+                self.errors = self._process.errors()
+            return done
         deadline = time.monotonic() + timeout_s
         with self._idle:
             while self._processed < self._submitted:
@@ -223,10 +303,15 @@ class FineMoEPolicy(PolicyBase):
                 self._idle.wait(left)
         return True
 
+    def _forward_position(self) -> tuple[int, int]:
+        """(iteration, layer) the forward pass has published last (a searcher process reads it from
+        shared memory)."""
+        return self._progress
+
     def _is_late(self, iteration: int, target_layer: int) -> bool:
-        if self.config.synchronous:
+        if not self._asynchronous:
             return False
-        it, layer = self._progress
+        it, layer = self._forward_position()
         return it > iteration or (it == iteration and layer >= target_layer)
 
     def _handle(self, event: tuple) -> None:
@@ -255,10 +340,12 @@ class FineMoEPolicy(PolicyBase):
                 floor = expected_distinct(torch.from_numpy(stored), num_tokens, self.top_k)
                 self._issue(it, layer, stored, score, floor)
         elif kind == "layer":
-            _, it, layer, probs, topk_ids = event
+            _, it, layer, probs, topk_ids = event  # topk_ids: (T, k) ids, or their distinct count
             if it != self._it or layer != self._prefix_len:
                 return  # the begin event or an earlier layer was dropped: skip this iteration
-            self._prefix_np[layer] = probs.detach().float().reshape(-1).numpy()
+            if isinstance(probs, torch.Tensor):
+                probs = probs.detach().float().reshape(-1).numpy()
+            self._prefix_np[layer] = probs
             self._prefix_len += 1
             target = layer + self.config.prefetch_distance
             if target >= self.num_layers or self.store is None or len(self.store) == 0:
@@ -277,7 +364,10 @@ class FineMoEPolicy(PolicyBase):
                 return
             score, row = match
             # a step needs as many experts per layer as it just used (top-k for one token)
-            floor = self.top_k if self._num_tokens == 1 else int(torch.unique(topk_ids).numel())
+            if self._num_tokens == 1:
+                floor = self.top_k
+            else:
+                floor = topk_ids if isinstance(topk_ids, int) else int(torch.unique(topk_ids).numel())
             self._issue(it, target, self.store.map_layer_np(row, target), score, floor)
         elif kind == "end":
             _, it = event
@@ -310,14 +400,40 @@ class FineMoEPolicy(PolicyBase):
 
     # -- shutdown / report --------------------------------------------------------------------------
     def close(self) -> None:
+        if self._process is not None:
+            try:
+                self._sync_store_from_process()  # keep the online inserts (save_store after close)
+            except (RuntimeError, TimeoutError, OSError, EOFError):
+                pass
+            self._process.close()
+            self._process = None
         if self._thread is not None and self._queue is not None:
             self._queue.put(_STOP)
             self._thread.join(timeout=5.0)
             self._thread = None
 
     def stats(self) -> dict:
+        if self._process is not None:
+            c = self._process.counters()
+            searches = c["semantic_searches"] + c["trajectory_searches"]
+            return {
+                "searcher": "process",
+                "semantic_searches": c["semantic_searches"],
+                "trajectory_searches": c["trajectory_searches"],
+                "prefetch_requests": c["prefetch_requests"],
+                "mean_prefetch_size": c["prefetched_experts"] / c["prefetch_requests"]
+                if c["prefetch_requests"]
+                else 0.0,
+                "late_skipped": c["late_skipped"],
+                "dropped_events": self._process.dropped_events,
+                "dropped_decisions": c["dropped_decisions"],
+                "mean_search_us": c["search_ns"] / 1e3 / searches if searches else 0.0,
+                "store_size": c["store_size"],
+                "errors": c["errors"],
+            }
         searches = self.semantic_searches + self.trajectory_searches
         return {
+            "searcher": "inline" if self.synchronous else "thread",
             "semantic_searches": self.semantic_searches,
             "trajectory_searches": self.trajectory_searches,
             "prefetch_requests": self.prefetch_requests,

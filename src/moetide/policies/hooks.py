@@ -81,6 +81,7 @@ class PolicyHooks:
         self._speculating = False
         self._runtime = runtime if runtime is not None and not self._distances else None
         self._pending: tuple | None = None  # (iteration, ordinal, host logits, device top-k ids)
+        self._pinned: torch.Tensor | None = None  # host buffer the router logits are copied into
         if self._runtime is not None:
             self._runtime.on_host_ids = self._on_host_ids
         self._handles = [hf_model.get_input_embeddings().register_forward_hook(self._on_embedding)]
@@ -116,7 +117,7 @@ class PolicyHooks:
             logits, _, top_k_index = output
             if self._runtime is not None:
                 self._flush_pending()
-                host_logits = logits.detach().to("cpu", non_blocking=True)  # lands before the runtime's sync
+                host_logits = self._host_copy(logits.detach())  # lands before the runtime's sync
                 self._pending = (self.iteration, ordinal, host_logits, top_k_index)
                 return
             probs = _mean_gate_probs(logits.detach()).cpu()
@@ -139,6 +140,19 @@ class PolicyHooks:
                 self._speculating = False
 
         return hook
+
+    def _host_copy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Start a non-blocking copy of `logits` into a pinned host buffer kept for it (one copy launch,
+        no allocation; one layer is pending at a time, and it is read before the next copy starts)."""
+        if logits.device.type != "cuda":
+            return logits
+        n = logits.numel()
+        buf = self._pinned
+        if buf is None or buf.numel() < n or buf.dtype != logits.dtype:
+            buf = self._pinned = torch.empty(max(n, 1 << 14), dtype=logits.dtype, pin_memory=True)
+        host = buf[:n].view(logits.shape)
+        host.copy_(logits, non_blocking=True)
+        return host
 
     def _publish(self, ordinal: int, probs: torch.Tensor, ids: torch.Tensor) -> None:
         for p in self.policies:

@@ -1,0 +1,432 @@
+"""FineMoE's searcher in its own process, fed through shared memory (`FineMoEConfig.searcher="process"`).
+
+Why a process: on a launch-bound decode step the forward thread and a searcher *thread* share the
+GIL, and every search, wake-up and sink call of the thread is time the forward thread waits for it
+(BENCHMARKS.md §5: 42 % on the H200 with a thread, 3.5 % for a thread that does nothing). Here the
+forward thread's whole share of FineMoE is:
+
+    publish   copy the observation into a slot of a shared ring (numpy) and bump a counter
+    apply     at its next publish, turn the decisions the searcher wrote back into sink calls
+              (for the engine's residency: queue puts; the residency drains them in `acquire`)
+
+and the searches, the RDY-deduplicated store inserts and the prefetch sizing run in the child, which
+never touches the device and never takes the forward process's GIL.
+
+The child is a plain `python -c` subprocess (not `multiprocessing`, whose spawn re-runs the user's
+main script: a script without a `__main__` guard would fail). It inherits three descriptors: the shared
+memory (a memfd, mapped by both), the read end of a wake-up pipe (end of file when the forward
+process is gone) and a socket for control messages (`multiprocessing.connection`).
+
+Waking the child costs the forward thread a system call and a context switch (measured: ~35 us per
+event on the 2-core CPU, a tenth of a decode layer), so the child polls the ring every
+`POLL_S` while events keep coming; after `IDLE_S` without one it raises `ctrl[SLEEPING]` and blocks
+in `select` on the pipe and the socket (with a `SLEEP_TIMEOUT_S` timeout), and only then does the
+forward thread write a wake-up byte.
+
+Shared memory (numpy views on both sides; S event slots, D decision slots, W = max(H, J) floats per
+event):
+
+    ctrl       int64   (CTRL,)   sequence numbers, the forward pass's position, the child's counters
+    ev_head    int64   (S, 4)    kind, iteration, layer, num_tokens (begin) or distinct experts (layer)
+    ev_data    float32 (S, W)    embedding (H,) for "begin", mean gate probabilities (J,) for "layer"
+    dec_head   int64   (D, 4)    kind (protect / prefetch), iteration, layer, number of experts n
+    dec_ids    int32   (D, J)    the experts, in priority order (first n)
+    dec_prob   float32 (D, J)    their predicted probabilities (prefetch only)
+
+Writers fill a slot, then bump its sequence number (x86-64 stores are not reordered with each
+other, and each numpy assignment is a separate store sequence in program order). A full ring drops the
+event (the child then skips that iteration) or the decision: neither side ever waits for the other.
+The store lives in the child; `fetch_store` / `send_store` move it over a pipe (warm-up, save, close).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+# ctrl indices
+_WRITE_SEQ, _READ_SEQ, _DEC_SEQ, _DEC_APPLIED, _POSITION, _READY, _SLEEPING = range(7)
+_COUNTERS = (
+    "semantic_searches",
+    "trajectory_searches",
+    "prefetch_requests",
+    "prefetched_experts",
+    "late_skipped",
+    "dropped_decisions",
+    "search_ns",
+    "errors",
+    "store_size",
+)
+_C0 = 8  # first counter index
+_CTRL = _C0 + len(_COUNTERS)
+
+KIND_BEGIN, KIND_LAYER, KIND_END = 1, 2, 3
+POLL_S = 50e-6  # the child's polling period while busy
+IDLE_S = 0.05  # without an event for this long, the child blocks until woken
+SLEEP_TIMEOUT_S = 0.02  # a wake-up lost to a race costs at most this much latency
+KIND_PROTECT, KIND_PREFETCH = 1, 2
+_LAYER_FIELD = 1 << 16  # position = iteration * _LAYER_FIELD + layer + 1 (one store: never torn)
+
+
+def encode_position(iteration: int, layer: int) -> int:
+    """The forward pass's (iteration, layer) as one int64 (layer -1: the iteration has begun)."""
+    return iteration * _LAYER_FIELD + layer + 1
+
+
+def decode_position(value: int) -> tuple[int, int]:
+    it, layer = divmod(int(value), _LAYER_FIELD)
+    return it, layer - 1
+
+
+class SharedRings:
+    """numpy views of the shared block (both processes build the same views from the same sizes)."""
+
+    def __init__(self, buffer, event_slots: int, decision_slots: int, width: int, num_experts: int):
+        self.sizes = (event_slots, decision_slots, width, num_experts)
+        S, D, W, J = self.sizes
+        buf = memoryview(buffer).cast("B")
+        offset = 0
+
+        def take(dtype, shape):
+            nonlocal offset
+            n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            view = np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+            offset += (n + 63) // 64 * 64
+            return view
+
+        self.ctrl = take(np.int64, (_CTRL,))
+        self.ev_head = take(np.int64, (S, 4))
+        self.ev_data = take(np.float32, (S, W))
+        self.dec_head = take(np.int64, (D, 4))
+        self.dec_ids = take(np.int32, (D, J))
+        self.dec_prob = take(np.float32, (D, J))
+
+    @staticmethod
+    def nbytes(event_slots: int, decision_slots: int, width: int, num_experts: int) -> int:
+        shapes = [
+            (8, _CTRL),
+            (8, event_slots * 4),
+            (4, event_slots * width),
+            (8, decision_slots * 4),
+            (4, decision_slots * num_experts),
+            (4, decision_slots * num_experts),
+        ]
+        return sum((size * n + 63) // 64 * 64 for size, n in shapes)
+
+
+def store_state(store) -> dict:
+    """An `ExpertMapStore` as plain arrays (picklable: the store itself holds a lock)."""
+    n = len(store)
+    return {
+        "geometry": (store.capacity, store.num_layers, store.num_experts, store.hidden_size, store.prefetch_distance),
+        "embeddings": store._embeddings[:n].numpy().copy(),
+        "maps": store._maps[:n].numpy().copy(),
+        "inserts": store.inserts,
+        "replacements": store.replacements,
+    }
+
+
+def store_from_state(state: dict):
+    """Rebuild an `ExpertMapStore` from `store_state` (same rows in the same order)."""
+    import torch
+
+    from .expert_map import ExpertMapStore
+
+    capacity, L, J, H, d = state["geometry"]
+    store = ExpertMapStore(capacity, L, J, H, d)
+    for e, m in zip(state["embeddings"], state["maps"], strict=True):
+        store.add(torch.from_numpy(e), torch.from_numpy(m).view(L, J))
+    store.inserts, store.replacements = state["inserts"], state["replacements"]
+    return store
+
+
+class SearcherProcess:
+    """The forward process's end of a FineMoE searcher process.
+
+    `config`: the parent's `FineMoEConfig`; `geometry`: (num_layers L, num_experts J, top_k,
+    hidden_size H); `store`: the map store to start from (or None). Every method except `drain`,
+    `fetch_store`, `send_store` and `close` returns in microseconds and never waits for the child.
+    """
+
+    def __init__(self, config, geometry: tuple[int, int, int, int], store=None):
+        L, J, top_k, H = geometry
+        self.geometry = geometry
+        self.event_slots = max(256, 8 * (L + 2))
+        self.decision_slots = max(256, 8 * 2 * L)
+        sizes = (self.event_slots, self.decision_slots, max(H, J), J)
+        nbytes = SharedRings.nbytes(*sizes)
+        if hasattr(os, "memfd_create"):
+            mem_fd = os.memfd_create("moetide-finemoe-searcher")
+        else:  # an unlinked temporary file serves as well
+            mem_fd = os.dup(tempfile.TemporaryFile().fileno())
+        os.ftruncate(mem_fd, nbytes)
+        self._memory = mmap.mmap(mem_fd, nbytes)
+        self.rings = SharedRings(self._memory, *sizes)
+        wake_read, self._wake = os.pipe()
+        os.set_blocking(self._wake, False)
+        mine, theirs = socket.socketpair()
+        self.submitted = 0
+        self.dropped_events = 0
+        self._applied = 0
+        package_root = str(Path(__file__).resolve().parents[2])  # the directory holding `moetide`
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env.update(dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1"))
+        fds = (mem_fd, wake_read, theirs.fileno())
+        try:
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", "from moetide.policies.searcher_process import child_entry; child_entry()",
+                 *map(str, fds)],
+                pass_fds=fds,
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            for fd in (mem_fd, wake_read):
+                os.close(fd)
+            theirs.close()
+        self._conn = Connection(mine.detach())
+        self._conn.send(("init", config, geometry, sizes, store_state(store) if store is not None else None))
+
+    # -- forward thread ------------------------------------------------------------------------------
+    def set_position(self, iteration: int, layer: int) -> None:
+        self.rings.ctrl[_POSITION] = encode_position(iteration, layer)
+
+    def publish(self, kind: int, iteration: int, layer: int, count: int, data=None) -> bool:
+        """One event into the ring (False: the ring was full and the event was dropped).
+        `data`: (H,) embedding or (J,) probabilities, any array-like of floats."""
+        rings = self.rings
+        if self.submitted - int(rings.ctrl[_READ_SEQ]) >= self.event_slots:
+            self.dropped_events += 1
+            return False
+        slot = self.submitted % self.event_slots
+        rings.ev_head[slot] = (kind, iteration, layer, count)
+        if data is not None:
+            rings.ev_data[slot, : len(data)] = data
+        self.submitted += 1
+        rings.ctrl[_WRITE_SEQ] = self.submitted
+        if rings.ctrl[_SLEEPING]:
+            self._poke()
+        return True
+
+    def _poke(self) -> None:
+        """Wake the child (a full pipe means it has plenty to wake up for already)."""
+        try:
+            os.write(self._wake, b"\x01")
+        except (BlockingIOError, BrokenPipeError, OSError):
+            pass
+
+    def apply_decisions(self, sink) -> int:
+        """Hand the decisions the searcher wrote since the last call to `sink`. Returns how many."""
+        rings = self.rings
+        end = int(rings.ctrl[_DEC_SEQ])
+        start = self._applied
+        while self._applied < end:
+            slot = self._applied % self.decision_slots
+            kind, iteration, layer, n = rings.dec_head[slot].tolist()
+            experts = rings.dec_ids[slot, :n].tolist()
+            if kind == KIND_PROTECT:
+                sink.protect(layer, experts, iteration=iteration)
+            else:
+                sink.prefetch(layer, experts, iteration=iteration, priorities=rings.dec_prob[slot, :n].tolist())
+            self._applied += 1
+        rings.ctrl[_DEC_APPLIED] = self._applied
+        return self._applied - start
+
+    # -- reports and control (not on the forward path) -----------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return bool(self.rings.ctrl[_READY])
+
+    @property
+    def alive(self) -> bool:
+        return self._child.poll() is None
+
+    def counters(self) -> dict:
+        values = self.rings.ctrl[_C0:_CTRL].tolist()
+        return dict(zip(_COUNTERS, values, strict=True))
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the child has handled every event published so far (tests, shutdown only)."""
+        deadline = time.monotonic() + timeout_s
+        while int(self.rings.ctrl[_READ_SEQ]) < self.submitted:
+            if time.monotonic() > deadline or not self.alive:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def _call(self, message: tuple, timeout_s: float):
+        if not self.alive:
+            raise RuntimeError("the FineMoE searcher process has exited")
+        self._conn.send(message)  # the child waits on this socket too (select)
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"the FineMoE searcher process did not answer {message[0]!r} in {timeout_s:.0f} s")
+        return self._conn.recv()
+
+    def fetch_store(self, timeout_s: float = 60.0):
+        """The child's current map store (an `ExpertMapStore`), or None if it has none yet."""
+        state = self._call(("get_store",), timeout_s)
+        return store_from_state(state) if state is not None else None
+
+    def send_store(self, store, timeout_s: float = 60.0) -> None:
+        """Replace the child's map store with `store`."""
+        self._call(("set_store", store_state(store)), timeout_s)
+
+    def errors(self, timeout_s: float = 10.0) -> list[str]:
+        return self._call(("errors",), timeout_s) if self.alive else ["the FineMoE searcher process has exited"]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self.alive:
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+        os.close(self._wake)  # end of file on the child's side, whatever it is doing
+        try:
+            self._child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait(timeout_s)
+        self._conn.close()
+
+
+# -- the child ---------------------------------------------------------------------------------------
+class _RingSink:
+    """The child's `ExpertSink`: each call becomes a decision slot for the forward process."""
+
+    capacity_experts = 0
+
+    def __init__(self, rings: SharedRings, counters: dict):
+        self.rings = rings
+        self.counters = counters
+        self.written = 0
+        self.slots = rings.sizes[1]
+
+    def _write(self, kind: int, layer: int, experts, iteration: int, priorities=None) -> None:
+        rings = self.rings
+        if self.written - int(rings.ctrl[_DEC_APPLIED]) >= self.slots:
+            self.counters["dropped_decisions"] += 1
+            return
+        slot = self.written % self.slots
+        n = len(experts)
+        rings.dec_ids[slot, :n] = experts
+        if priorities is not None:
+            rings.dec_prob[slot, :n] = priorities
+        rings.dec_head[slot] = (kind, iteration, layer, n)
+        self.written += 1
+        rings.ctrl[_DEC_SEQ] = self.written
+
+    def protect(self, layer, experts, *, iteration) -> None:
+        self._write(KIND_PROTECT, layer, experts, iteration)
+
+    def prefetch(self, layer, experts, *, iteration, priorities=None) -> None:
+        self._write(KIND_PREFETCH, layer, experts, iteration, priorities)
+
+    def set_precision(self, layer, expert, precision) -> None:  # FineMoE never asks
+        pass
+
+
+def child_entry() -> None:
+    """`python -c` entry of the child: descriptors in argv, everything else in the first message."""
+    mem_fd, wake_fd, conn_fd = (int(a) for a in sys.argv[1:4])
+    conn = Connection(conn_fd)
+    _, config, geometry, sizes, state = conn.recv()
+    memory = mmap.mmap(mem_fd, SharedRings.nbytes(*sizes))
+    searcher_main(config, geometry, SharedRings(memory, *sizes), wake_fd, conn, state)
+
+
+def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, state) -> None:
+    """The child process: handle events as they come, answer control messages, exit with the parent."""
+    import torch
+
+    from .finemoe import FineMoEPolicy
+
+    torch.set_num_threads(1)
+    L, J, top_k, H = geometry
+    counters = dict.fromkeys(_COUNTERS, 0)
+
+    class ChildSearcher(FineMoEPolicy):
+        def _forward_position(self):
+            return decode_position(rings.ctrl[_POSITION])
+
+    policy = ChildSearcher(replace(config, searcher="inline"))
+    policy.attach(_RingSink(rings, counters), L, J, top_k)
+    policy._asynchronous = True  # searches may be late: check the forward pass's position
+    if state is not None:
+        policy.store = store_from_state(state)
+    errors: list[str] = []
+    read = 0
+    S = rings.sizes[0]
+    rings.ctrl[_READY] = 1
+    last_event = time.monotonic()
+    while True:
+        if read < int(rings.ctrl[_WRITE_SEQ]):
+            pass
+        elif time.monotonic() - last_event < IDLE_S:
+            time.sleep(POLL_S)
+        else:
+            rings.ctrl[_SLEEPING] = 1
+            if read == int(rings.ctrl[_WRITE_SEQ]):
+                readable, _, _ = select.select([wake_fd, conn.fileno()], [], [], SLEEP_TIMEOUT_S)
+                if wake_fd in readable and not os.read(wake_fd, 65536):
+                    return  # end of file: the forward process closed its end (or is gone)
+            rings.ctrl[_SLEEPING] = 0
+        while conn.poll():
+            try:
+                message = conn.recv()
+            except EOFError:
+                return  # the forward process is gone
+            if message[0] == "stop":
+                return
+            if message[0] == "get_store":
+                conn.send(store_state(policy.store) if policy.store is not None else None)
+            elif message[0] == "set_store":
+                policy.store = store_from_state(message[1])
+                policy._it = -1  # the iteration in progress continues without a match
+                conn.send(len(policy.store))
+            elif message[0] == "errors":
+                conn.send(list(errors))
+        end = int(rings.ctrl[_WRITE_SEQ])
+        if read == end:
+            continue
+        last_event = time.monotonic()
+        while read < end:
+            slot = read % S
+            kind, it, layer, count = rings.ev_head[slot].tolist()
+            try:
+                if kind == KIND_BEGIN:
+                    embedding = torch.from_numpy(rings.ev_data[slot, :H].copy())
+                    policy._handle(("begin", it, embedding, count))
+                elif kind == KIND_LAYER:
+                    policy._handle(("layer", it, layer, rings.ev_data[slot, :J].copy(), count))
+                else:
+                    policy._handle(("end", it))
+            except Exception as e:  # noqa: BLE001 - a failed search must never take the engine down
+                errors.append(f"{type(e).__name__}: {e}")
+                if len(errors) <= 3:
+                    traceback.print_exc(file=sys.stderr)
+            read += 1
+            rings.ctrl[_READ_SEQ] = read
+        counters.update(
+            semantic_searches=policy.semantic_searches,
+            trajectory_searches=policy.trajectory_searches,
+            prefetch_requests=policy.prefetch_requests,
+            prefetched_experts=policy.prefetched_experts,
+            late_skipped=policy.late_skipped,
+            search_ns=int(policy.search_time_s * 1e9),
+            errors=len(errors),
+            store_size=len(policy.store) if policy.store is not None else 0,
+        )
+        rings.ctrl[_C0:_CTRL] = [counters[k] for k in _COUNTERS]
