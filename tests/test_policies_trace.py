@@ -202,7 +202,8 @@ def test_forward_thread_calls_return_in_microseconds_with_a_slow_searcher(search
         run(range(20))
         # thread: each search's sink calls alone take >= 100 ms; process: the searcher is stopped.
         # Either way the forward thread never waited for it.
-        assert worst < 0.01, f"a forward-thread call took {worst * 1e3:.1f} ms"
+        # (half of one 50 ms sink call: a loaded 2-core machine has shown 10.4 ms for a queue put)
+        assert worst < 0.025, f"a forward-thread call took {worst * 1e3:.1f} ms"
         next(slow, None)  # resume a stopped searcher process: its backlog is late, later steps are not
         run(range(20, 28))
         assert policy.drain(timeout_s=60)

@@ -242,7 +242,6 @@ class FineMoEPolicy(PolicyBase):
             process = self._process
             if process is None:
                 return  # not attached
-            process.set_position(iteration, -1)
             process.apply_decisions(self.sink)
             process.publish(KIND_BEGIN, iteration, -1, num_tokens, embedding.numpy())
             return
@@ -252,7 +251,6 @@ class FineMoEPolicy(PolicyBase):
         self._progress = (iteration, layer)
         if self._process is not None:
             process = self._process
-            process.set_position(iteration, layer)
             process.apply_decisions(self.sink)
             distinct = self.top_k if self._num_tokens_published == 1 else len(np.unique(topk_ids.numpy()))
             process.publish(KIND_LAYER, iteration, layer, distinct, gate_probs.numpy())

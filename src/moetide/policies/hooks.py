@@ -22,6 +22,15 @@ def _mean_gate_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1]).mean(0)
 
 
+def _host_gate_probs(logits: torch.Tensor) -> torch.Tensor:
+    """`_mean_gate_probs` of (T, J) host logits, with a two-op path for one token (batch-1 decode:
+    this runs on the forward thread once per MoE layer, at several microseconds per torch op)."""
+    if logits.dim() == 2 and logits.shape[0] == 1:
+        row = logits[0]
+        return torch.softmax(row if row.dtype == torch.float32 else row.float(), dim=0)
+    return _mean_gate_probs(logits)
+
+
 class NullSink:
     """A sink that drops every request (for policies that only observe, such as `TraceRecorder`)."""
 
@@ -82,6 +91,7 @@ class PolicyHooks:
         self._runtime = runtime if runtime is not None and not self._distances else None
         self._pending: tuple | None = None  # (iteration, ordinal, host logits, device top-k ids)
         self._pinned: torch.Tensor | None = None  # host buffer the router logits are copied into
+        self._host_views: dict = {}  # (shape, dtype) -> view of `_pinned`
         if self._runtime is not None:
             self._runtime.on_host_ids = self._on_host_ids
         self._handles = [hf_model.get_input_embeddings().register_forward_hook(self._on_embedding)]
@@ -146,11 +156,15 @@ class PolicyHooks:
         no allocation; one layer is pending at a time, and it is read before the next copy starts)."""
         if logits.device.type != "cuda":
             return logits
-        n = logits.numel()
-        buf = self._pinned
-        if buf is None or buf.numel() < n or buf.dtype != logits.dtype:
-            buf = self._pinned = torch.empty(max(n, 1 << 14), dtype=logits.dtype, pin_memory=True)
-        host = buf[:n].view(logits.shape)
+        key = (logits.shape, logits.dtype)
+        host = self._host_views.get(key)  # a view per shape: slicing costs as much as the copy launch
+        if host is None:
+            n = logits.numel()
+            buf = self._pinned
+            if buf is None or buf.numel() < n or buf.dtype != logits.dtype:
+                buf = self._pinned = torch.empty(max(n, 1 << 14), dtype=logits.dtype, pin_memory=True)
+                self._host_views.clear()
+            host = self._host_views[key] = buf[:n].view(logits.shape)
         host.copy_(logits, non_blocking=True)
         return host
 
@@ -169,7 +183,7 @@ class PolicyHooks:
         t0 = time.perf_counter()
         self._pending = None
         ids = ids_cpu.reshape(-1, ids_cpu.shape[-1])
-        self._publish(ordinal, _mean_gate_probs(pending[2]), ids)
+        self._publish(ordinal, _host_gate_probs(pending[2]), ids)
         self.hook_time_s += time.perf_counter() - t0
 
     def _flush_pending(self) -> None:
@@ -180,7 +194,7 @@ class PolicyHooks:
         self._pending = None
         _, ordinal, host_logits, top_k_index = pending
         ids = top_k_index.reshape(-1, top_k_index.shape[-1]).cpu()  # NOTE: host sync (the logits land too)
-        self._publish(ordinal, _mean_gate_probs(host_logits), ids)
+        self._publish(ordinal, _host_gate_probs(host_logits), ids)
 
     def _on_decoder_done(self, module, inputs, output) -> None:
         if not self.enabled:

@@ -201,13 +201,13 @@ class SearcherProcess:
         self._conn.send(("init", config, geometry, sizes, store_state(store) if store is not None else None))
 
     # -- forward thread ------------------------------------------------------------------------------
-    def set_position(self, iteration: int, layer: int) -> None:
-        self.rings.ctrl[_POSITION] = encode_position(iteration, layer)
-
     def publish(self, kind: int, iteration: int, layer: int, count: int, data=None) -> bool:
-        """One event into the ring (False: the ring was full and the event was dropped).
-        `data`: (H,) embedding or (J,) probabilities, any array-like of floats."""
+        """One event into the ring (False: the ring was full and the event was dropped); a "begin" or
+        "layer" event also records the forward pass's position. `data`: (H,) embedding or (J,)
+        probabilities, any array-like of floats."""
         rings = self.rings
+        if kind != KIND_END:
+            rings.ctrl[_POSITION] = encode_position(iteration, layer)
         if self.submitted - int(rings.ctrl[_READ_SEQ]) >= self.event_slots:
             self.dropped_events += 1
             return False
