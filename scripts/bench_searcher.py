@@ -3,15 +3,15 @@
 
 Demo model, a budget where every expert fits (so prefetches move nothing and only the policy's own
 cost differs), the map store warmed from held-out conversations 0..W-1, measured on W..W+N-1, once
-per variant (`--variants`): the searcher in its own process, the same with a searcher that never
-searches (what publishing alone costs), and the searcher as a thread of the engine's process:
-  - decode step time with FineMoE attached (forward hooks publish, the searcher searches)
-    and with the hooks switched off (same residency, same prompts). Every prompt is decoded once
-    untimed first (first-use costs of each sequence length), then both ways, in alternating order;
+per searcher placement (`--searchers`: its own process, a thread of the engine's process):
+  - decode step time, per prompt under every condition in rotating order: no policy (the hooks
+    switched off, same residency), FineMoE (hooks publish, the searcher searches) and, with a
+    searcher process, "publish-only": the same hooks feeding a second FineMoE whose store stays
+    empty (what publishing alone costs; FineMoE minus publish-only is the searcher's own cost);
   - the forward thread's time inside the policy hooks, per decode step;
   - the searcher's busy time (sum of its search times) over the measured wall time.
 
-    python scripts/bench_searcher.py --out results.json [--device cuda] [--variants process,publish-only,thread]
+    python scripts/bench_searcher.py --out results.json [--device cuda] [--searchers process,thread]
 """
 
 from __future__ import annotations
@@ -61,25 +61,30 @@ def timed_decode(llm, prompts, new_tokens):
     return times[1:]  # drop the first step (a prefill)
 
 
-def publish_only(llm) -> None:
-    """Swap the engine's FineMoE for one whose store stays empty (no warm-up, no online inserts): the
-    forward thread publishes exactly as before, the searcher process consumes every event and never
-    searches or decides anything. The difference to "process" is the searcher's own cost."""
+def publish_only_hooks(llm) -> tuple[PolicyHooks, FineMoEPolicy]:
+    """A second FineMoE on the same engine whose store stays empty (no warm-up, no online inserts):
+    its hooks publish exactly as the engine's do, its searcher process consumes every event and never
+    searches or decides anything. The difference to the engine's own FineMoE is the searcher's cost."""
     loaded = llm.loaded
-    loaded.policy_hooks.remove()
-    loaded.policy.close()
-    loaded.policy = FineMoEPolicy(FineMoEConfig(prefetch_distance=2, online_updates=False, searcher="process"))
-    residency = loaded.runtime.residency
-    loaded.policy_hooks = PolicyHooks(
-        loaded.model, loaded.adapter, [loaded.policy], sink=residency, runtime=loaded.runtime
-    )
+    policy = FineMoEPolicy(FineMoEConfig(prefetch_distance=2, online_updates=False, searcher="process"))
+    hooks = PolicyHooks(loaded.model, loaded.adapter, [policy], sink=loaded.runtime.residency, runtime=loaded.runtime)
+    return hooks, policy
 
 
-def measure(args, variant: str) -> dict:
-    """One engine with FineMoE (`variant`: "process" / "thread": where its searcher runs;
-    "publish-only": see `publish_only`): step times with the policy's hooks on and off, interleaved,
-    on the same prompts."""
-    searcher = "thread" if variant == "thread" else "process"
+def activate(llm, conditions: dict, name: str) -> None:
+    """Switch on the hooks of condition `name` only (None: no policy sees anything)."""
+    active = conditions[name]
+    for hooks in conditions.values():
+        if hooks is not None:
+            hooks.enabled = hooks is active
+    runtime = llm.loaded.runtime
+    runtime.on_host_ids = (active or llm.loaded.policy_hooks)._on_host_ids
+
+
+def measure(args, searcher: str) -> dict:
+    """One engine with FineMoE's searcher in `searcher` ("process" / "thread"). Conditions, rotated
+    per prompt: no policy ("off"), FineMoE ("finemoe") and, with a searcher process, the same hooks
+    feeding a searcher that never searches ("publish-only")."""
     llm = moetide.LLM(
         device=args.device, policy="finemoe", gpu_memory="2GiB", prefetch_distance=2, searcher=searcher
     )
@@ -87,58 +92,68 @@ def measure(args, variant: str) -> dict:
     warm = user_prompts(llm.tokenizer, convs[: args.warm])
     test = user_prompts(llm.tokenizer, convs[args.warm : args.warm + 4 * args.prompts])[: args.prompts]
     t0 = time.perf_counter()
-    inserted = 0
-    if variant == "publish-only":
-        publish_only(llm)
-    else:
-        trace = record_trace(llm.loaded.model, llm.loaded.adapter, warm, max_new_tokens=16, spec_distances=())
-        inserted = llm.loaded.policy.warm_up(trace)
+    trace = record_trace(llm.loaded.model, llm.loaded.adapter, warm, max_new_tokens=16, spec_distances=())
     policy = llm.loaded.policy
+    inserted = policy.warm_up(trace)
     warm_s = time.perf_counter() - t0
+    conditions = {"off": None, "finemoe": llm.loaded.policy_hooks}
+    extra_policy = None
+    if searcher == "process":
+        conditions["publish-only"], extra_policy = publish_only_hooks(llm)
 
-    hooks = llm.loaded.policy_hooks
-    timed_decode(llm, test, args.new_tokens)  # untimed: first-use costs of every sequence length
+    names = list(conditions)
+    for name in names:  # untimed: first-use costs of every sequence length, under every condition
+        activate(llm, conditions, name)
+        timed_decode(llm, test[:2], args.new_tokens)
     policy.drain()
-    with_policy, without = [], []
-    hook_s = wall = 0.0
+    times = {name: [] for name in names}
+    hook_s = dict.fromkeys(names, 0.0)
+    wall = 0.0
     before = policy.stats()
     for i, ids in enumerate(test):
-        for enabled in (True, False) if i % 2 == 0 else (False, True):  # alternate the order
-            hooks.enabled = enabled
-            if enabled:
-                hook_before, start = hooks.hook_time_s, time.perf_counter()
-                with_policy += timed_decode(llm, [ids], args.new_tokens)
+        for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order
+            activate(llm, conditions, name)
+            hooks = conditions[name]
+            hook_before, start = (hooks.hook_time_s if hooks else 0.0), time.perf_counter()
+            times[name] += timed_decode(llm, [ids], args.new_tokens)
+            if name == "finemoe":
                 wall += time.perf_counter() - start
-                policy.drain()
-                hook_s += hooks.hook_time_s - hook_before
-            else:
-                without += timed_decode(llm, [ids], args.new_tokens)
+            if hooks is not None:
+                hook_s[name] += hooks.hook_time_s - hook_before
+    policy.drain()
     stats = policy.stats()
     searches = sum(stats[k] - before[k] for k in ("semantic_searches", "trajectory_searches"))
     busy_s = (
         stats["mean_search_us"] * (stats["semantic_searches"] + stats["trajectory_searches"])
         - before["mean_search_us"] * (before["semantic_searches"] + before["trajectory_searches"])
     ) / 1e6
-
-    step_with, step_without = statistics.median(with_policy), statistics.median(without)
+    off = statistics.median(times["off"])
     result = {
-        "variant": variant,
+        "searcher": searcher,
         "store_maps": stats["store_size"],
         "warm_maps_inserted": inserted,
         "warm_s": round(warm_s, 2),
-        "decode_step_ms_with_finemoe": 1e3 * step_with,
-        "decode_step_ms_without_policy": 1e3 * step_without,
-        "forward_overhead_share": (step_with - step_without) / step_without,
-        "mean_step_ms_with_finemoe": 1e3 * statistics.fmean(with_policy),
-        "mean_step_ms_without_policy": 1e3 * statistics.fmean(without),
-        "hook_ms_per_step": 1e3 * hook_s / (len(with_policy) + len(test)),
-        "decode_steps_each": len(with_policy),
+        "decode_steps_each": len(times["off"]),
+        "median_step_ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
+        "mean_step_ms": {name: 1e3 * statistics.fmean(t) for name, t in times.items()},
+        "forward_overhead_share": {
+            name: statistics.median(t) / off - 1 for name, t in times.items() if name != "off"
+        },
+        "hook_ms_per_step": {
+            name: 1e3 * hook_s[name] / (len(times[name]) + len(test)) for name in names if name != "off"
+        },
         "searcher_busy_share_of_wall": busy_s / wall,
         "mean_search_us": stats["mean_search_us"],
         "searches": searches,
         "late_skipped": stats["late_skipped"] - before["late_skipped"],
         "hit_rate": llm.metrics.hit_rate,
     }
+    if "publish-only" in times:
+        result["searcher_share"] = (
+            statistics.median(times["finemoe"]) - statistics.median(times["publish-only"])
+        ) / off
+        conditions["publish-only"].remove()
+        extra_policy.close()
     llm.close()
     return result
 
@@ -149,15 +164,13 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=48, help="held-out conversations used to warm the store")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument(
-        "--variants", default="process,publish-only,thread", help="comma-separated: process, publish-only, thread"
-    )
+    ap.add_argument("--searchers", default="process,thread", help="comma-separated: process, thread")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     runs = []
-    for variant in args.variants.split(","):
-        runs.append(measure(args, variant))
+    for searcher in args.searchers.split(","):
+        runs.append(measure(args, searcher))
         print(json.dumps(runs[-1], indent=2), flush=True)
     result = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -40,7 +40,7 @@ for step in "$@"; do
     server)   timeout $(T 130) python3 scripts/bench_server.py --concurrency 1 8 32 --requests-per-client 2 --output-len 64 \
                 --out "$OUT/server.json" -- --policy combined --gpu-memory 1GiB 2>&1 | grep -v "loading weights" | tail -12
               pkill -f "moetide.cli serve" ; pkill -f "moetide serve" ; true ;;
-    searcher) timeout $(T 200) python3 scripts/bench_searcher.py --warm 24 --prompts 6 --new-tokens 32 --out "$OUT/searcher.json" \
+    searcher) timeout $(T 200) python3 scripts/bench_searcher.py --warm 24 --prompts 12 --new-tokens 32 --out "$OUT/searcher.json" \
                 2>&1 | grep -v "Warn\|Loading" | tail -50 ;;
     bs32)     timeout $(T 180) $MT bench --synthetic olmoe-1b-7b --policy combined,lru,on-demand --gpu-memory 4GiB --lo-kernel triton \
                 --batch-size 32 --output-len 32 --max-input-len 128 --out "$OUT/bs32" 2>&1 | grep -v "Warn\|Loading" | tail -12 ;;

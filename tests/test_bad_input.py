@@ -124,3 +124,12 @@ def test_cuda_requested_without_cuda(qwen3_checkpoint):
 def test_bad_memory_size(qwen3_checkpoint):
     proc = run_cli("generate", "--model", str(qwen3_checkpoint), "--gpu-memory", "lots", "hi")
     assert_one_line_error(proc, "cannot read memory size")
+
+
+def test_unknown_llm_option_is_an_error_not_ignored(qwen3_checkpoint):
+    from moetide.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown option.*searchr"):
+        moetide.LLM(qwen3_checkpoint, device="cpu", searchr="thread")
+    with pytest.raises(ConfigError, match="--searcher must be one of"):
+        moetide.LLM(qwen3_checkpoint, device="cpu", searcher="fiber")

@@ -157,6 +157,9 @@ class LLM:
         llm = moetide.LLM()                       # the embedded demo model
         out = llm.generate(["Hello"], moetide.SamplingParams(max_tokens=32, temperature=0))
         print(out[0].text)
+
+    Other keyword arguments set `EngineConfig` fields (`lo_kernel`, `prefetch_distance`, `searcher`,
+    `cuda_graphs`, ...); a name that is not one is an error.
     """
 
     def __init__(
@@ -172,6 +175,11 @@ class LLM:
         progress: bool = False,
         **extra,
     ):
+        unknown = sorted(set(extra) - set(EngineConfig.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) for moetide.LLM: {', '.join(unknown)} (the options are EngineConfig's fields)"
+            )
         self.config = EngineConfig(
             model=str(model if model is not None else demo_model_path()),
             device=device,
@@ -180,7 +188,7 @@ class LLM:
             policy=policy,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            **{k: v for k, v in extra.items() if k in EngineConfig.__dataclass_fields__},
+            **extra,
         )
         self.loaded, self.engine, self.tokenizer = build_engine(self.config, progress=progress)
 
