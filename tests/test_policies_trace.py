@@ -399,3 +399,27 @@ def test_the_engine_evicts_by_the_policys_rule_and_sees_the_gate_probabilities(p
         assert (residency._prob.sum(axis=1) > 0.5).all()
     finally:
         llm.close()
+
+
+def test_the_searcher_process_starts_with_the_engine_and_ends_with_it():
+    """`--searcher process`: the child starts when the engine is built (before the first step, so
+    no step's events wait for its imports), sees every step, and `close` ends it with the store's
+    online inserts brought back."""
+    import moetide
+
+    llm = moetide.LLM(device="cpu", policy="finemoe", gpu_memory="0.5GiB")
+    policy = llm.loaded.policy
+    process = policy._process
+    assert process is not None and process.alive
+    deadline = time.monotonic() + 60
+    while not process.ready and time.monotonic() < deadline:
+        time.sleep(0.01)
+    params = moetide.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm.generate(["def add(a, b):"], params)
+    assert policy.drain(timeout_s=60)
+    stats = policy.stats()
+    assert stats["searcher"] == "process" and stats["dropped_events"] == 0 and stats["errors"] == 0
+    assert stats["store_size"] == 8  # one map per step (prefill + 7 decode steps)
+    llm.close()
+    assert not process.alive and policy._process is None
+    assert len(policy.store) == 8

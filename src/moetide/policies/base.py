@@ -85,6 +85,8 @@ class ExpertPolicy(Protocol):
 
     def attach(self, sink: ExpertSink, num_layers: int, num_experts: int, top_k: int) -> None: ...
 
+    # optional: `prepare(hidden_size)`, called once after `attach` (see `PolicyBase.prepare`)
+
     def begin_iteration(
         self, iteration: int, embedding: torch.Tensor, num_tokens: int, request_ids: Sequence[int] = ()
     ) -> None: ...
@@ -121,6 +123,11 @@ class PolicyBase:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.top_k = top_k
+
+    def prepare(self, hidden_size: int) -> None:
+        """Called once after `attach` by whoever drives the policy from a model (`PolicyHooks`), with
+        the embedding size H: start-up work that needs it (FineMoE's searcher process) starts here,
+        before the first step, rather than during it."""
 
     def begin_iteration(
         self, iteration: int, embedding: torch.Tensor, num_tokens: int, request_ids: Sequence[int] = ()

@@ -238,6 +238,11 @@ class CombinedPolicy(PolicyBase):
         for p in self.parts:
             p.attach(sink, num_layers, num_experts, top_k)
 
+    def prepare(self, hidden_size: int) -> None:
+        for p in self.parts:
+            if hasattr(p, "prepare"):
+                p.prepare(hidden_size)
+
     def begin_iteration(self, iteration, embedding, num_tokens, request_ids=()) -> None:
         for p in self.parts:
             p.begin_iteration(iteration, embedding, num_tokens, request_ids=request_ids)

@@ -164,6 +164,12 @@ class FineMoEPolicy(PolicyBase):
             self._thread = threading.Thread(target=self._searcher_loop, name="finemoe-searcher", daemon=True)
             self._thread.start()
 
+    def prepare(self, hidden_size: int) -> None:
+        """Start the searcher process now (it takes a second or two to import torch; events published
+        before it is up are dropped once the ring is full)."""
+        if self._in_process:
+            self._start_process(hidden_size)
+
     def _start_process(self, hidden_size: int) -> None:
         """Start the searcher process (once the embedding size is known: a store, or the first step)."""
         if self._process is None and self.sink is not None:

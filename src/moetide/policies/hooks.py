@@ -84,8 +84,11 @@ class PolicyHooks:
         num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
         sink = sink if sink is not None else NullSink()
         self._observe_sink = getattr(sink, "observe_gate_probs", None)  # prob-freq eviction's input
+        hidden_size = hf_model.get_input_embeddings().embedding_dim
         for p in self.policies:
             p.attach(sink, len(self.routers), num_experts, top_k)
+            if hasattr(p, "prepare"):
+                p.prepare(hidden_size)
         self._distances = sorted({d for p in self.policies for d in getattr(p, "speculative_distances", ())})
         self._speculating = False
         self._runtime = runtime if runtime is not None and not self._distances else None
