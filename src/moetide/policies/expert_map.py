@@ -214,6 +214,30 @@ class ExpertMapStore:
         with self._lock:
             return self._embeddings[row].clone()
 
+    # -- plain arrays (a searcher process gets and gives back its store this way) ------------------------
+    def state(self) -> dict:
+        """The store as picklable plain values: geometry, `embeddings (N, H)`, `maps (N, L*J)` (numpy
+        copies, rows in order) and the insert counters."""
+        with self._lock:
+            n = self._size
+            return {
+                "geometry": (self.capacity, self.num_layers, self.num_experts, self.hidden_size, self.prefetch_distance),
+                "embeddings": self._embeddings[:n].numpy().copy(),
+                "maps": self._maps[:n].numpy().copy(),
+                "inserts": self.inserts,
+                "replacements": self.replacements,
+            }
+
+    @classmethod
+    def from_state(cls, state: dict) -> ExpertMapStore:
+        """The store `state()` described (same rows in the same order)."""
+        capacity, L, J, H, d = state["geometry"]
+        store = cls(capacity, L, J, H, d)
+        for e, m in zip(state["embeddings"], state["maps"], strict=True):
+            store.add(torch.from_numpy(e), torch.from_numpy(m).view(L, J))
+        store.inserts, store.replacements = state["inserts"], state["replacements"]
+        return store
+
     # -- files --------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write the store (safetensors; geometry in the header's metadata)."""

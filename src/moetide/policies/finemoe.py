@@ -35,7 +35,7 @@ import torch
 
 from .base import PolicyBase
 from .expert_map import ExpertMapStore, delta_from_score, select_by_cumulative_probability
-from .searcher_process import KIND_BEGIN, KIND_END, KIND_LAYER
+from .searcher_process import KIND_BEGIN, KIND_END, KIND_LAYER, SUPPORTED
 
 _STOP = ("stop",)
 SEARCHERS = ("process", "thread", "inline")
@@ -62,7 +62,8 @@ class FineMoEConfig:
     adaptive_delta: cumulative-probability selection (off = exactly the floor, top-k for one token).
     online_updates: insert each finished iteration's map into the store.
     protect_predictions: tell the sink to spare predicted experts from eviction.
-    searcher: "process" (own process, shared memory), "thread" or "inline" (see the module docstring).
+    searcher: "process" (own process, shared memory; x86-64, else a thread), "thread" or "inline" (see
+        the module docstring).
     synchronous: run the searcher inline (simulation, tests), whatever `searcher` says.
     max_queue: events beyond this backlog are dropped (the forward pass never waits).
     preferred_eviction: eviction rule the simulator uses for this policy ("prob-freq": FineMoE's).
@@ -140,7 +141,8 @@ class FineMoEPolicy(PolicyBase):
 
     @property
     def _in_process(self) -> bool:
-        return not self.synchronous and self.config.searcher == "process"
+        """A searcher process (x86-64 only: elsewhere "process" runs the searcher as a thread)."""
+        return not self.synchronous and self.config.searcher == "process" and SUPPORTED
 
     # -- set-up -------------------------------------------------------------------------------------
     def attach(self, sink, num_layers, num_experts, top_k) -> None:

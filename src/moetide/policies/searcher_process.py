@@ -2,8 +2,8 @@
 
 Why a process: on a launch-bound decode step the forward thread and a searcher *thread* share the
 GIL, and every search, wake-up and sink call of the thread is time the forward thread waits for it
-(BENCHMARKS.md §5: 42 % on the H200 with a thread, 3.5 % for a thread that does nothing). Here the
-forward thread's whole share of FineMoE is:
+(BENCHMARKS.md §5, H200 run 19: FineMoE adds 27 % to a decode step with a thread, 11 % with this
+process). Here the forward thread's whole share of FineMoE is:
 
     publish   copy the observation into a slot of a shared ring (numpy) and bump a counter
     apply     at its next publish, turn the decisions the searcher wrote back into sink calls
@@ -33,9 +33,12 @@ event):
     dec_ids    int32   (D, J)    the experts, in priority order (first n)
     dec_prob   float32 (D, J)    their predicted probabilities (prefetch only)
 
-Writers fill a slot, then bump its sequence number (x86-64 stores are not reordered with each
-other, and each numpy assignment is a separate store sequence in program order). A full ring drops the
-event (the child then skips that iteration) or the decision: neither side ever waits for the other.
+Writers fill a slot, then bump its sequence number, with no fence: x86-64 does not reorder stores
+with other stores, nor loads with other loads, so a reader that sees the new counter sees the slot.
+(A weakly ordered CPU, such as ARM, would need fences: there `SUPPORTED` is False and FineMoE
+runs its searcher as a thread instead.) A full ring drops
+the event (the child then skips that iteration) or the decision: neither side ever waits for the
+other.
 The store lives in the child; `fetch_store` / `send_store` move it over a pipe (warm-up, save, close).
 """
 
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import select
 import socket
 import subprocess
@@ -72,11 +76,12 @@ _COUNTERS = (
 _C0 = 8  # first counter index
 _CTRL = _C0 + len(_COUNTERS)
 
-KIND_BEGIN, KIND_LAYER, KIND_END = 1, 2, 3
+SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")  # see the module docstring
+KIND_BEGIN, KIND_LAYER, KIND_END = 1, 2, 3  # events
+KIND_PROTECT, KIND_PREFETCH = 1, 2  # decisions
 POLL_S = 50e-6  # the child's polling period while busy
 IDLE_S = 0.05  # without an event for this long, the child blocks until woken
 SLEEP_TIMEOUT_S = 0.02  # a wake-up lost to a race costs at most this much latency
-KIND_PROTECT, KIND_PREFETCH = 1, 2
 _LAYER_FIELD = 1 << 16  # position = iteration * _LAYER_FIELD + layer + 1 (one store: never torn)
 
 
@@ -126,32 +131,6 @@ class SharedRings:
         return sum((size * n + 63) // 64 * 64 for size, n in shapes)
 
 
-def store_state(store) -> dict:
-    """An `ExpertMapStore` as plain arrays (picklable: the store itself holds a lock)."""
-    n = len(store)
-    return {
-        "geometry": (store.capacity, store.num_layers, store.num_experts, store.hidden_size, store.prefetch_distance),
-        "embeddings": store._embeddings[:n].numpy().copy(),
-        "maps": store._maps[:n].numpy().copy(),
-        "inserts": store.inserts,
-        "replacements": store.replacements,
-    }
-
-
-def store_from_state(state: dict):
-    """Rebuild an `ExpertMapStore` from `store_state` (same rows in the same order)."""
-    import torch
-
-    from .expert_map import ExpertMapStore
-
-    capacity, L, J, H, d = state["geometry"]
-    store = ExpertMapStore(capacity, L, J, H, d)
-    for e, m in zip(state["embeddings"], state["maps"], strict=True):
-        store.add(torch.from_numpy(e), torch.from_numpy(m).view(L, J))
-    store.inserts, store.replacements = state["inserts"], state["replacements"]
-    return store
-
-
 class SearcherProcess:
     """The forward process's end of a FineMoE searcher process.
 
@@ -198,7 +177,7 @@ class SearcherProcess:
                 os.close(fd)
             theirs.close()
         self._conn = Connection(mine.detach())
-        self._conn.send(("init", config, geometry, sizes, store_state(store) if store is not None else None))
+        self._conn.send(("init", config, geometry, sizes, store.state() if store is not None else None))
 
     # -- forward thread ------------------------------------------------------------------------------
     def publish(self, kind: int, iteration: int, layer: int, count: int, data=None) -> bool:
@@ -277,12 +256,14 @@ class SearcherProcess:
 
     def fetch_store(self, timeout_s: float = 60.0):
         """The child's current map store (an `ExpertMapStore`), or None if it has none yet."""
+        from .expert_map import ExpertMapStore
+
         state = self._call(("get_store",), timeout_s)
-        return store_from_state(state) if state is not None else None
+        return ExpertMapStore.from_state(state) if state is not None else None
 
     def send_store(self, store, timeout_s: float = 60.0) -> None:
         """Replace the child's map store with `store`."""
-        self._call(("set_store", store_state(store)), timeout_s)
+        self._call(("set_store", store.state()), timeout_s)
 
     def errors(self, timeout_s: float = 10.0) -> list[str]:
         return self._call(("errors",), timeout_s) if self.alive else ["the FineMoE searcher process has exited"]
@@ -351,6 +332,7 @@ def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, stat
     """The child process: handle events as they come, answer control messages, exit with the parent."""
     import torch
 
+    from .expert_map import ExpertMapStore
     from .finemoe import FineMoEPolicy
 
     torch.set_num_threads(1)
@@ -365,7 +347,7 @@ def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, stat
     policy.attach(_RingSink(rings, counters), L, J, top_k)
     policy._asynchronous = True  # searches may be late: check the forward pass's position
     if state is not None:
-        policy.store = store_from_state(state)
+        policy.store = ExpertMapStore.from_state(state)
     errors: list[str] = []
     read = 0
     S = rings.sizes[0]
@@ -391,9 +373,9 @@ def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, stat
             if message[0] == "stop":
                 return
             if message[0] == "get_store":
-                conn.send(store_state(policy.store) if policy.store is not None else None)
+                conn.send(policy.store.state() if policy.store is not None else None)
             elif message[0] == "set_store":
-                policy.store = store_from_state(message[1])
+                policy.store = ExpertMapStore.from_state(message[1])
                 policy._it = -1  # the iteration in progress continues without a match
                 conn.send(len(policy.store))
             elif message[0] == "errors":
