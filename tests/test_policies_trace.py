@@ -423,3 +423,21 @@ def test_the_searcher_process_starts_with_the_engine_and_ends_with_it():
     llm.close()
     assert not process.alive and policy._process is None
     assert len(policy.store) == 8
+
+
+def test_a_searcher_process_that_dies_leaves_the_engine_serving_and_says_so():
+    import moetide
+
+    llm = moetide.LLM(device="cpu", policy="finemoe", gpu_memory="0.5GiB")
+    try:
+        params = moetide.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        want = llm.generate(["def add(a, b):"], params)[0].token_ids
+        policy = llm.loaded.policy
+        os.kill(policy._process._child.pid, signal.SIGKILL)
+        policy._process._child.wait(10)
+        assert llm.generate(["def add(a, b):"], params)[0].token_ids == want
+        assert not policy.drain(timeout_s=1)
+        assert policy.errors == ["the FineMoE searcher process has exited"]
+        assert policy.stats()["searcher_alive"] is False
+    finally:
+        llm.close()

@@ -297,8 +297,7 @@ class FineMoEPolicy(PolicyBase):
         if self._process is not None:
             done = self._process.drain(timeout_s)
             self._process.apply_decisions(self.sink)
-            if self._process.alive:
-                self.errors = self._process.errors()
+            self.errors = self._process.errors()  # says so if the process has exited
             return done
         deadline = time.monotonic() + timeout_s
         with self._idle:
@@ -424,6 +423,7 @@ class FineMoEPolicy(PolicyBase):
             searches = c["semantic_searches"] + c["trajectory_searches"]
             return {
                 "searcher": "process",
+                "searcher_alive": self._process.alive,
                 "semantic_searches": c["semantic_searches"],
                 "trajectory_searches": c["trajectory_searches"],
                 "prefetch_requests": c["prefetch_requests"],
