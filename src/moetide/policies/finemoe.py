@@ -35,7 +35,7 @@ import torch
 
 from .base import PolicyBase
 from .expert_map import ExpertMapStore, delta_from_score, select_by_cumulative_probability
-from .searcher_process import KIND_BEGIN, KIND_END, KIND_LAYER, SUPPORTED
+from .searcher_process import KIND_BEGIN, KIND_END, KIND_LAYER, SUPPORTED, SearcherProcess
 
 _STOP = ("stop",)
 SEARCHERS = ("process", "thread", "inline")
@@ -131,7 +131,7 @@ class FineMoEPolicy(PolicyBase):
         self._idle = threading.Condition()
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
-        self._process = None  # searcher_process.SearcherProcess
+        self._process: SearcherProcess | None = None
         self._asynchronous = not self.synchronous  # searches can be late (the handler checks)
 
     @property
@@ -175,8 +175,6 @@ class FineMoEPolicy(PolicyBase):
     def _start_process(self, hidden_size: int) -> None:
         """Start the searcher process (once the embedding size is known: a store, or the first step)."""
         if self._process is None and self.sink is not None:
-            from .searcher_process import SearcherProcess
-
             geometry = (self.num_layers, self.num_experts, self.top_k, hidden_size)
             self._process = SearcherProcess(self.config, geometry, self.store)
 
