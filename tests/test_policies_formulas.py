@@ -26,7 +26,9 @@ class RecordingSink:
         self.protects = []
         self.precisions = []
 
-    def prefetch(self, layer, experts, *, iteration, priorities=None):
+    def prefetch(self, layer, experts, *, iteration, priorities=None, protect=False):
+        if protect:
+            self.protects.append((iteration, layer, list(experts)))
         self.prefetches.append((iteration, layer, list(experts)))
 
     def protect(self, layer, experts, *, iteration):

@@ -139,7 +139,9 @@ class SlowSink:
         self.capacity_experts = capacity_experts
         self.calls = 0
 
-    def prefetch(self, layer, experts, *, iteration, priorities=None):
+    def prefetch(self, layer, experts, *, iteration, priorities=None, protect=False):
+        if protect:
+            self.protect(layer, experts, iteration=iteration)
         time.sleep(self.delay_s)
         self.calls += 1
 

@@ -37,12 +37,20 @@ class ExpertSink(Protocol):
     capacity_experts: int
 
     def prefetch(
-        self, layer: int, experts: list[int], *, iteration: int, priorities: Sequence[float] | None = None
+        self,
+        layer: int,
+        experts: list[int],
+        *,
+        iteration: int,
+        priorities: Sequence[float] | None = None,
+        protect: bool = False,
     ) -> None:
         """Ask for `experts` of `layer` to be resident for iteration `iteration` (best effort).
 
         `experts` is in priority order. `priorities` (optional, aligned with `experts`, in [0, 1]) is
         the policy's predicted probability of each expert; eviction rules that rank by it use it.
+        `protect=True` also protects them, first (what `protect` then `prefetch` would do, in one
+        request: the prefetch cannot evict its own experts).
         """
 
     def protect(self, layer: int, experts: list[int], *, iteration: int) -> None:

@@ -397,9 +397,10 @@ class FineMoEPolicy(PolicyBase):
         priorities = probs[experts].tolist()
         self.prefetch_requests += 1
         self.prefetched_experts += len(experts)
-        if self.config.protect_predictions:  # first, so that the prefetch cannot evict its own experts
-            self.sink.protect(layer, experts, iteration=iteration)
-        self.sink.prefetch(layer, experts, iteration=iteration, priorities=priorities)
+        # protected first (in the same request), so that the prefetch cannot evict its own experts
+        self.sink.prefetch(
+            layer, experts, iteration=iteration, priorities=priorities, protect=self.config.protect_predictions
+        )
 
     # -- shutdown / report --------------------------------------------------------------------------
     def close(self) -> None:

@@ -36,7 +36,7 @@ class NullSink:
 
     capacity_experts = 0
 
-    def prefetch(self, layer, experts, *, iteration, priorities=None) -> None:
+    def prefetch(self, layer, experts, *, iteration, priorities=None, protect=False) -> None:
         pass
 
     def protect(self, layer, experts, *, iteration) -> None:

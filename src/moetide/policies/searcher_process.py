@@ -29,7 +29,7 @@ event):
     ctrl       int64   (CTRL,)   sequence numbers, the forward pass's position, the child's counters
     ev_head    int64   (S, 4)    kind, iteration, layer, num_tokens (begin) or distinct experts (layer)
     ev_data    float32 (S, W)    embedding (H,) for "begin", mean gate probabilities (J,) for "layer"
-    dec_head   int64   (D, 4)    kind (protect / prefetch), iteration, layer, number of experts n
+    dec_head   int64   (D, 4)    kind (protect / prefetch / both), iteration, layer, number of experts n
     dec_ids    int32   (D, J)    the experts, in priority order (first n)
     dec_prob   float32 (D, J)    their predicted probabilities (prefetch only)
 
@@ -78,7 +78,7 @@ _CTRL = _C0 + len(_COUNTERS)
 
 SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")  # see the module docstring
 KIND_BEGIN, KIND_LAYER, KIND_END = 1, 2, 3  # events
-KIND_PROTECT, KIND_PREFETCH = 1, 2  # decisions
+KIND_PROTECT, KIND_PREFETCH, KIND_PROTECT_PREFETCH = 1, 2, 3  # decisions
 POLL_S = 50e-6  # the child's polling period while busy
 IDLE_S = 0.05  # without an event for this long, the child blocks until woken
 SLEEP_TIMEOUT_S = 0.02  # a wake-up lost to a race costs at most this much latency
@@ -219,7 +219,10 @@ class SearcherProcess:
             if kind == KIND_PROTECT:
                 sink.protect(layer, experts, iteration=iteration)
             else:
-                sink.prefetch(layer, experts, iteration=iteration, priorities=rings.dec_prob[slot, :n].tolist())
+                priorities = rings.dec_prob[slot, :n].tolist()
+                sink.prefetch(
+                    layer, experts, iteration=iteration, priorities=priorities, protect=kind == KIND_PROTECT_PREFETCH
+                )
             self._applied += 1
         rings.ctrl[_DEC_APPLIED] = self._applied
         return self._applied - start
@@ -312,8 +315,8 @@ class _RingSink:
     def protect(self, layer, experts, *, iteration) -> None:
         self._write(KIND_PROTECT, layer, experts, iteration)
 
-    def prefetch(self, layer, experts, *, iteration, priorities=None) -> None:
-        self._write(KIND_PREFETCH, layer, experts, iteration, priorities)
+    def prefetch(self, layer, experts, *, iteration, priorities=None, protect=False) -> None:
+        self._write(KIND_PROTECT_PREFETCH if protect else KIND_PREFETCH, layer, experts, iteration, priorities)
 
     def set_precision(self, layer, expert, precision) -> None:  # FineMoE never asks
         pass

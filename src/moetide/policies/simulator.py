@@ -332,7 +332,9 @@ class TraceSimulator:
             return False
         return True
 
-    def prefetch(self, layer, experts, *, iteration, priorities=None) -> None:
+    def prefetch(self, layer, experts, *, iteration, priorities=None, protect=False) -> None:
+        if protect:
+            self.protect(layer, experts, iteration=iteration)
         with self._lock:
             if not self._admissible(layer, iteration):
                 return

@@ -121,9 +121,11 @@ class ResidencyManager:
         """hi experts the device holds at once (all layers)."""
         return self.plan.hi_slots
 
-    def prefetch(self, layer: int, experts: list[int], *, iteration: int, priorities=None) -> None:
+    def prefetch(
+        self, layer: int, experts: list[int], *, iteration: int, priorities=None, protect: bool = False
+    ) -> None:
         priorities = None if priorities is None else tuple(priorities)
-        self._requests.put(("prefetch", layer, tuple(experts), (iteration, priorities)))
+        self._requests.put(("prefetch", layer, tuple(experts), (iteration, priorities, protect)))
 
     def observe_gate_probs(self, layer: int, probs) -> None:
         """The mean gate probabilities `(E,)` of `layer` in the running step (for prob-freq eviction)."""
@@ -149,7 +151,9 @@ class ResidencyManager:
             except queue.Empty:
                 return
             if kind == "prefetch":
-                iteration, priorities = arg
+                iteration, priorities, protect = arg
+                if protect:
+                    self._protect(layer, what, iteration)
                 if priorities is not None:  # the prediction is the experts' latest probability estimate
                     self._prob[layer, list(what)] = priorities
                 self._prefetch_queue.extend((iteration, layer, e) for e in what)
@@ -157,12 +161,15 @@ class ResidencyManager:
             elif kind == "observed":
                 self._prob[layer] = arg
             elif kind == "protect":
-                if arg == self.iteration and layer <= self._layers_done:
-                    continue  # that layer has already run in this iteration: nothing left to spare it for
-                for e in what:
-                    self._protected[(layer, e)] = arg
+                self._protect(layer, what, arg)
             else:
                 self._precision_queue[(layer, what)] = arg
+
+    def _protect(self, layer: int, experts, iteration: int) -> None:
+        if iteration == self.iteration and layer <= self._layers_done:
+            return  # that layer has already run in this iteration: nothing left to spare it for
+        for e in experts:
+            self._protected[(layer, e)] = iteration
 
     # -- slots ------------------------------------------------------------------------------------------
     def _reclaim(self, wait_for_one: bool = False) -> bool:
