@@ -443,3 +443,46 @@ def test_a_searcher_process_that_dies_leaves_the_engine_serving_and_says_so():
         assert policy.stats()["searcher_alive"] is False
     finally:
         llm.close()
+
+
+def test_a_full_ring_drops_events_instead_of_waiting_and_the_searcher_skips_those_iterations():
+    """The searcher process stopped: once its ring (256 events here) is full, publishing drops the
+    event and returns at once; resumed, it handles what it has, skips the iterations whose events
+    were dropped, and decides again for the next complete iteration."""
+    warm = synthetic_trace([0, 1, 2, 3], decode_steps=8)
+    L = warm.meta.num_layers
+    policy = FineMoEPolicy(prefetch_distance=1, searcher="process")
+    slow = slow_searcher(policy, "process", 0.0)
+    sink = next(slow)
+    policy.attach(sink, L, warm.meta.num_experts, warm.meta.top_k)
+    policy.warm_up(warm)
+    slots = policy._process.event_slots
+    steps = slots // (L + 2) + 3  # enough iterations to overflow the ring
+    try:
+        next(slow)  # stopped from here on
+        worst = 0.0
+        for s in range(steps):
+            step = warm.step(s % len(warm))
+            t0 = time.perf_counter()
+            policy.begin_iteration(s, step.embedding, step.num_tokens)
+            for layer in range(L):
+                policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+            policy.end_iteration(s)
+            worst = max(worst, time.perf_counter() - t0)
+        assert policy.stats()["dropped_events"] == steps * (L + 2) - slots
+        assert worst < 0.025, f"an iteration's publishing took {worst * 1e3:.1f} ms"
+        next(slow, None)  # resume
+        assert policy.drain(timeout_s=60)
+        calls_before = sink.calls
+        step = warm.step(0)
+        s = steps
+        policy.begin_iteration(s, step.embedding, step.num_tokens)
+        for layer in range(L):
+            time.sleep(0.01)  # time enough for each search
+            policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+        policy.end_iteration(s)
+        assert policy.drain(timeout_s=60) and not policy.errors
+        assert sink.calls > calls_before  # a complete iteration after the drops is searched again
+    finally:
+        slow.close()
+        policy.close()
