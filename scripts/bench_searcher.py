@@ -67,7 +67,8 @@ def publish_only_hooks(llm) -> tuple[PolicyHooks, FineMoEPolicy]:
     searches or decides anything. The difference to the engine's own FineMoE is the searcher's cost."""
     loaded = llm.loaded
     policy = FineMoEPolicy(FineMoEConfig(prefetch_distance=2, online_updates=False, searcher="process"))
-    hooks = PolicyHooks(loaded.model, loaded.adapter, [policy], sink=loaded.runtime.residency, runtime=loaded.runtime)
+    runtime = loaded.runtime
+    hooks = PolicyHooks(loaded.model, loaded.adapter, [policy], sink=runtime.residency, runtime=runtime)
     return hooks, policy
 
 

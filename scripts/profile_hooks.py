@@ -20,7 +20,7 @@ from moetide.data.sharegpt import heldout_conversations
 from moetide.policies.trace import record_trace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_searcher import timed_decode, user_prompts  # noqa: E402
+from bench_searcher import timed_decode, user_prompts
 
 
 def main() -> int:

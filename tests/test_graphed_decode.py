@@ -48,7 +48,8 @@ def _assert_steps_close(got, want, *, atol: float, rtol: float, label: str = "")
     """Per-step logits `(B, V)` of two runs agree; a failure names the step."""
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=lambda m, step=step: f"{label}step {step}: {m}")
+        message = lambda m, step=step: f"{label}step {step}: {m}"  # a callable keeps torch's report
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=message)
 
 
 CPU_TOL = {"atol": 2e-4, "rtol": 1e-4}  # float32 on the CPU: static and dynamic KV agree this closely

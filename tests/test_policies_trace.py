@@ -7,7 +7,6 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -486,3 +485,52 @@ def test_a_full_ring_drops_events_instead_of_waiting_and_the_searcher_skips_thos
     finally:
         slow.close()
         policy.close()
+
+
+class RecordingSink:
+    capacity_experts = 16
+
+    def __init__(self):
+        self.calls = []
+
+    def prefetch(self, layer, experts, *, iteration, priorities=None, protect=False):
+        rounded = None if priorities is None else [round(float(p), 6) for p in priorities]
+        self.calls.append(("prefetch", iteration, layer, list(experts), rounded, protect))
+
+    def protect(self, layer, experts, *, iteration):
+        self.calls.append(("protect", iteration, layer, list(experts)))
+
+    def set_precision(self, layer, expert, precision):
+        self.calls.append(("precision", layer, expert, precision))
+
+
+def test_the_searcher_process_decides_what_the_inline_handler_decides():
+    """Given time for every search (the forward pass waits for the searcher after each publish, which
+    the engine never does), the process makes the same sink calls, in the same order, with the same
+    priorities, as the handler run inline; and its store ends with the same online inserts."""
+    warm = synthetic_trace([0, 1, 2, 3], decode_steps=8)
+    meta = warm.meta
+    calls, stores = {}, {}
+    for searcher in ("inline", "process"):
+        policy = FineMoEPolicy(prefetch_distance=1, searcher=searcher)
+        sink = RecordingSink()
+        policy.attach(sink, meta.num_layers, meta.num_experts, meta.top_k)
+        policy.warm_up(warm.select_requests([0, 1]))
+        try:
+            for s in range(len(warm)):
+                step = warm.step(s)
+                policy.begin_iteration(s, step.embedding, step.num_tokens)
+                assert policy.drain(timeout_s=60)
+                for layer in range(meta.num_layers):
+                    policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+                    assert policy.drain(timeout_s=60)
+                policy.end_iteration(s)
+                assert policy.drain(timeout_s=60)
+            assert policy.stats()["late_skipped"] == 0 and not policy.errors
+        finally:
+            policy.close()
+        calls[searcher], stores[searcher] = sink.calls, policy.store
+    assert len(calls["inline"]) > 0 and calls["process"] == calls["inline"]
+    assert len(stores["process"]) == len(stores["inline"])
+    last = len(stores["inline"]) - 1
+    torch.testing.assert_close(stores["process"].map(last), stores["inline"].map(last))

@@ -221,7 +221,13 @@ class ExpertMapStore:
         with self._lock:
             n = self._size
             return {
-                "geometry": (self.capacity, self.num_layers, self.num_experts, self.hidden_size, self.prefetch_distance),
+                "geometry": (
+                    self.capacity,
+                    self.num_layers,
+                    self.num_experts,
+                    self.hidden_size,
+                    self.prefetch_distance,
+                ),
                 "embeddings": self._embeddings[:n].numpy().copy(),
                 "maps": self._maps[:n].numpy().copy(),
                 "inserts": self.inserts,

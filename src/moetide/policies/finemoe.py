@@ -398,9 +398,8 @@ class FineMoEPolicy(PolicyBase):
         self.prefetch_requests += 1
         self.prefetched_experts += len(experts)
         # protected first (in the same request), so that the prefetch cannot evict its own experts
-        self.sink.prefetch(
-            layer, experts, iteration=iteration, priorities=priorities, protect=self.config.protect_predictions
-        )
+        protect = self.config.protect_predictions
+        self.sink.prefetch(layer, experts, iteration=iteration, priorities=priorities, protect=protect)
 
     # -- shutdown / report --------------------------------------------------------------------------
     def close(self) -> None:

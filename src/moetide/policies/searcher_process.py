@@ -82,6 +82,7 @@ KIND_PROTECT, KIND_PREFETCH, KIND_PROTECT_PREFETCH = 1, 2, 3  # decisions
 POLL_S = 50e-6  # the child's polling period while busy
 IDLE_S = 0.05  # without an event for this long, the child blocks until woken
 SLEEP_TIMEOUT_S = 0.02  # a wake-up lost to a race costs at most this much latency
+_CHILD_COMMAND = "from moetide.policies.searcher_process import child_entry; child_entry()"
 _LAYER_FIELD = 1 << 16  # position = iteration * _LAYER_FIELD + layer + 1 (one store: never torn)
 
 
@@ -140,7 +141,7 @@ class SearcherProcess:
     """
 
     def __init__(self, config, geometry: tuple[int, int, int, int], store=None):
-        L, J, top_k, H = geometry
+        L, J, _, H = geometry
         self.geometry = geometry
         self.event_slots = max(256, 8 * (L + 2))
         self.decision_slots = max(256, 8 * 2 * L)
@@ -149,7 +150,8 @@ class SearcherProcess:
         if hasattr(os, "memfd_create"):
             mem_fd = os.memfd_create("moetide-finemoe-searcher")
         else:  # an unlinked temporary file serves as well
-            mem_fd = os.dup(tempfile.TemporaryFile().fileno())
+            with tempfile.TemporaryFile() as f:
+                mem_fd = os.dup(f.fileno())
         os.ftruncate(mem_fd, nbytes)
         self._memory = mmap.mmap(mem_fd, nbytes)
         self.rings = SharedRings(self._memory, *sizes)
@@ -166,8 +168,7 @@ class SearcherProcess:
         fds = (mem_fd, wake_read, theirs.fileno())
         try:
             self._child = subprocess.Popen(
-                [sys.executable, "-c", "from moetide.policies.searcher_process import child_entry; child_entry()",
-                 *map(str, fds)],
+                [sys.executable, "-c", _CHILD_COMMAND, *map(str, fds)],
                 pass_fds=fds,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -220,9 +221,8 @@ class SearcherProcess:
                 sink.protect(layer, experts, iteration=iteration)
             else:
                 priorities = rings.dec_prob[slot, :n].tolist()
-                sink.prefetch(
-                    layer, experts, iteration=iteration, priorities=priorities, protect=kind == KIND_PROTECT_PREFETCH
-                )
+                both = kind == KIND_PROTECT_PREFETCH
+                sink.prefetch(layer, experts, iteration=iteration, priorities=priorities, protect=both)
             self._applied += 1
         rings.ctrl[_DEC_APPLIED] = self._applied
         return self._applied - start
@@ -254,7 +254,9 @@ class SearcherProcess:
             raise RuntimeError("the FineMoE searcher process has exited")
         self._conn.send(message)  # the child waits on this socket too (select)
         if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"the FineMoE searcher process did not answer {message[0]!r} in {timeout_s:.0f} s")
+            raise TimeoutError(
+                f"the FineMoE searcher process did not answer {message[0]!r} in {timeout_s:.0f} s"
+            )
         return self._conn.recv()
 
     def fetch_store(self, timeout_s: float = 60.0):
@@ -269,7 +271,9 @@ class SearcherProcess:
         self._call(("set_store", store.state()), timeout_s)
 
     def errors(self, timeout_s: float = 10.0) -> list[str]:
-        return self._call(("errors",), timeout_s) if self.alive else ["the FineMoE searcher process has exited"]
+        if not self.alive:
+            return ["the FineMoE searcher process has exited"]
+        return self._call(("errors",), timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         if self.alive:
@@ -316,7 +320,8 @@ class _RingSink:
         self._write(KIND_PROTECT, layer, experts, iteration)
 
     def prefetch(self, layer, experts, *, iteration, priorities=None, protect=False) -> None:
-        self._write(KIND_PROTECT_PREFETCH if protect else KIND_PREFETCH, layer, experts, iteration, priorities)
+        kind = KIND_PROTECT_PREFETCH if protect else KIND_PREFETCH
+        self._write(kind, layer, experts, iteration, priorities)
 
     def set_precision(self, layer, expert, precision) -> None:  # FineMoE never asks
         pass
