@@ -82,6 +82,15 @@ def activate(llm, conditions: dict, name: str) -> None:
     runtime.on_host_ids = (active or llm.loaded.policy_hooks)._on_host_ids
 
 
+def paired_share(a: list[float], b: list[float], base: list[float] | None = None) -> dict:
+    """Per prompt (a - b) / base (base defaults to b): mean and two standard errors over prompts, so a
+    share is read with the noise of the same run (prompts are paired: each ran under every condition)."""
+    base = base or b
+    shares = [(x - y) / z for x, y, z in zip(a, b, base, strict=True)]
+    sem = statistics.stdev(shares) / len(shares) ** 0.5 if len(shares) > 1 else float("nan")
+    return {"mean": statistics.fmean(shares), "two_sem": 2 * sem, "prompts": len(shares)}
+
+
 def measure(args, searcher: str) -> dict:
     """One engine with FineMoE's searcher in `searcher` ("process" / "thread"). Conditions, rotated
     per prompt: no policy ("off"), FineMoE ("finemoe") and, with a searcher process, the same hooks
@@ -108,6 +117,7 @@ def measure(args, searcher: str) -> dict:
         timed_decode(llm, test[:2], args.new_tokens)
     policy.drain()
     times = {name: [] for name in names}
+    per_prompt = {name: [] for name in names}  # median step time of each prompt under each condition
     hook_s = dict.fromkeys(names, 0.0)
     wall = 0.0
     before = policy.stats()
@@ -116,7 +126,9 @@ def measure(args, searcher: str) -> dict:
             activate(llm, conditions, name)
             hooks = conditions[name]
             hook_before, start = (hooks.hook_time_s if hooks else 0.0), time.perf_counter()
-            times[name] += timed_decode(llm, [ids], args.new_tokens)
+            steps = timed_decode(llm, [ids], args.new_tokens)
+            times[name] += steps
+            per_prompt[name].append(statistics.median(steps))
             if name == "finemoe":
                 wall += time.perf_counter() - start
             if hooks is not None:
@@ -149,10 +161,16 @@ def measure(args, searcher: str) -> dict:
         "late_skipped": stats["late_skipped"] - before["late_skipped"],
         "hit_rate": llm.metrics.hit_rate,
     }
+    result["paired_share"] = {  # per prompt: (condition - off) / off, mean and 2 standard errors
+        name: paired_share(per_prompt[name], per_prompt["off"]) for name in names if name != "off"
+    }
     if "publish-only" in times:
         result["searcher_share"] = (
             statistics.median(times["finemoe"]) - statistics.median(times["publish-only"])
         ) / off
+        result["paired_share"]["searcher"] = paired_share(
+            per_prompt["finemoe"], per_prompt["publish-only"], per_prompt["off"]
+        )
         conditions["publish-only"].remove()
         extra_policy.close()
     llm.close()
