@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .base import PolicyBase
@@ -101,16 +102,19 @@ class DynaExqScheduler(PolicyBase):
         if len(n_hi) != num_layers or any(not 0 <= x <= num_experts for x in n_hi):
             raise ValueError(f"n_hi must be one int or {num_layers} ints in [0, {num_experts}]")
         self.n_hi = n_hi
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self._reset_counts(num_layers, num_experts)
         if self.scores is None or self.scores.shape != (num_layers, num_experts):
             self.scores = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self.hi = torch.zeros(num_layers, num_experts, dtype=torch.bool)
 
     # -- observation (forward thread) ---------------------------------------------------------------
     def observe_layer(self, iteration, layer, gate_probs, topk_ids) -> None:
-        self.counts[layer] += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts).to(
-            torch.float64
-        )
+        # numpy on the counts' shared memory: one call, a sixth of torch's bincount + cast + add
+        self._counts_np[layer] += np.bincount(topk_ids.numpy().reshape(-1), minlength=self.num_experts)
+
+    def _reset_counts(self, num_layers: int, num_experts: int) -> None:
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self._counts_np = self.counts.numpy()  # the same memory
 
     def end_iteration(self, iteration) -> None:
         if self.clock is not None:
@@ -130,7 +134,8 @@ class DynaExqScheduler(PolicyBase):
 
     def update(self, now_s: float = 0.0) -> list[tuple[int, int, str]]:
         """EMA step, selection with hysteresis and rate limit; sends and returns the changes."""
-        counts, self.counts = self.counts, torch.zeros_like(self.counts)
+        counts = self.counts
+        self._reset_counts(*counts.shape)
         self.scores = self.alpha * self.scores + (1.0 - self.alpha) * counts
         self.updates += 1
         moves = []  # (gap, layer, promote, demote or None)
