@@ -136,10 +136,7 @@ def measure(args, searcher: str) -> dict:
     policy.drain()
     stats = policy.stats()
     searches = sum(stats[k] - before[k] for k in ("semantic_searches", "trajectory_searches"))
-    busy_s = (
-        stats["mean_search_us"] * (stats["semantic_searches"] + stats["trajectory_searches"])
-        - before["mean_search_us"] * (before["semantic_searches"] + before["trajectory_searches"])
-    ) / 1e6
+    busy_s = stats["search_s"] - before["search_s"]
     off = statistics.median(times["off"])
     result = {
         "searcher": searcher,

@@ -27,6 +27,7 @@ computes what the dynamic path computes.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 from torch.nn.attention import sdpa_kernel
@@ -151,12 +152,16 @@ class GraphedDecoder:
         self.hooks_at_start = count_forward_hooks(model)
         self.cacheable = self._cache_is_plain()
         self.kept: StaticDecodeState | None = None  # the last buffers, for a batch of their shape
-        self.entries = 0  # times a batch moved into fixed buffers
-        self.rows_entered: dict[int, int] = {}  # batch rows -> entries with that many rows
+        self.rows_entered: Counter[int] = Counter()  # batch rows -> times such a batch moved in
         self.allocations = 0  # times new buffers were allocated for it (the rest reused the last)
         self.captures = 0  # graphs recorded (each costs two eager steps and a capture)
         self.replays = 0
         self.failed: str | None = None  # why capturing was switched off, after an error
+
+    @property
+    def entries(self) -> int:
+        """Times a batch moved into fixed buffers."""
+        return self.rows_entered.total()
 
     def close(self) -> None:
         """Let go of the kept buffers and graph (the running batch, if any, keeps its own)."""
@@ -216,8 +221,7 @@ class GraphedDecoder:
             state = self._state_for(batch, columns)
             state.load(batch)
             batch.attach_static(state, self._left)
-            self.entries += 1
-            self.rows_entered[batch.batch_size] = self.rows_entered.get(batch.batch_size, 0) + 1
+            self.rows_entered[batch.batch_size] += 1
         state.input_ids.copy_(last_tokens.reshape(-1, 1))
         if self.capture and state.graph is None:
             try:

@@ -35,7 +35,7 @@ import torch
 
 from .base import PolicyBase
 from .expert_map import ExpertMapStore, delta_from_score, select_by_cumulative_probability
-from .searcher_process import KIND_BEGIN, KIND_END, KIND_LAYER, SUPPORTED, SearcherProcess
+from .searcher_process import KIND_BEGIN, KIND_END, KIND_LAYER, POLICY_COUNTERS, SUPPORTED, SearcherProcess
 
 _STOP = ("stop",)
 SEARCHERS = ("process", "thread", "inline")
@@ -243,8 +243,7 @@ class FineMoEPolicy(PolicyBase):
         self._progress = (iteration, -1)
         self._num_tokens_published = num_tokens
         if self._in_process:
-            if self._process is None:
-                self._start_process(int(embedding.shape[-1]))
+            self._start_process(int(embedding.shape[-1]))  # a no-op once started
             process = self._process
             if process is None:
                 return  # not attached
@@ -416,39 +415,34 @@ class FineMoEPolicy(PolicyBase):
             self._thread = None
 
     def stats(self) -> dict:
+        """Counters for reports; the same keys wherever the searcher runs (plus, for a process,
+        whether it is alive and how many of its decisions found the ring full)."""
+        extra: dict = {}
         if self._process is not None:
             c = self._process.counters()
-            searches = c["semantic_searches"] + c["trajectory_searches"]
-            return {
-                "searcher": "process",
-                "searcher_alive": self._process.alive,
-                "semantic_searches": c["semantic_searches"],
-                "trajectory_searches": c["trajectory_searches"],
-                "prefetch_requests": c["prefetch_requests"],
-                "mean_prefetch_size": c["prefetched_experts"] / c["prefetch_requests"]
-                if c["prefetch_requests"]
-                else 0.0,
-                "late_skipped": c["late_skipped"],
-                "dropped_events": self._process.dropped_events,
-                "dropped_decisions": c["dropped_decisions"],
-                "mean_search_us": c["search_ns"] / 1e3 / searches if searches else 0.0,
-                "store_size": c["store_size"],
-                "errors": c["errors"],
-            }
-        searches = self.semantic_searches + self.trajectory_searches
+            search_s, store_size, errors = c["search_ns"] / 1e9, c["store_size"], c["errors"]
+            extra = {"searcher_alive": self._process.alive, "dropped_decisions": c["dropped_decisions"]}
+            searcher, dropped = "process", self._process.dropped_events
+        else:
+            c = {name: getattr(self, name) for name in POLICY_COUNTERS}
+            search_s, errors = self.search_time_s, len(self.errors)
+            store_size = len(self.store) if self.store is not None else 0
+            searcher, dropped = ("inline" if self.synchronous else "thread"), self.dropped_events
+        searches = c["semantic_searches"] + c["trajectory_searches"]
+        requests = c["prefetch_requests"]
         return {
-            "searcher": "inline" if self.synchronous else "thread",
-            "semantic_searches": self.semantic_searches,
-            "trajectory_searches": self.trajectory_searches,
-            "prefetch_requests": self.prefetch_requests,
-            "mean_prefetch_size": self.prefetched_experts / self.prefetch_requests
-            if self.prefetch_requests
-            else 0.0,
-            "late_skipped": self.late_skipped,
-            "dropped_events": self.dropped_events,
-            "mean_search_us": 1e6 * self.search_time_s / searches if searches else 0.0,
-            "store_size": len(self.store) if self.store is not None else 0,
-            "errors": len(self.errors),
+            "searcher": searcher,
+            **extra,
+            "semantic_searches": c["semantic_searches"],
+            "trajectory_searches": c["trajectory_searches"],
+            "prefetch_requests": requests,
+            "mean_prefetch_size": c["prefetched_experts"] / requests if requests else 0.0,
+            "late_skipped": c["late_skipped"],
+            "dropped_events": dropped,
+            "search_s": search_s,
+            "mean_search_us": 1e6 * search_s / searches if searches else 0.0,
+            "store_size": store_size,
+            "errors": errors,
         }
 
 

@@ -62,17 +62,15 @@ import numpy as np
 
 # ctrl indices
 _WRITE_SEQ, _READ_SEQ, _DEC_SEQ, _DEC_APPLIED, _POSITION, _READY, _SLEEPING = range(7)
-_COUNTERS = (
+# the handler's counters (FineMoEPolicy attributes of the same names), then the child's own
+POLICY_COUNTERS = (
     "semantic_searches",
     "trajectory_searches",
     "prefetch_requests",
     "prefetched_experts",
     "late_skipped",
-    "dropped_decisions",
-    "search_ns",
-    "errors",
-    "store_size",
 )
+_COUNTERS = (*POLICY_COUNTERS, "dropped_decisions", "search_ns", "errors", "store_size")
 _C0 = 8  # first counter index
 _CTRL = _C0 + len(_COUNTERS)
 
@@ -409,12 +407,8 @@ def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, stat
                     traceback.print_exc(file=sys.stderr)
             read += 1
             rings.ctrl[_READ_SEQ] = read
+        counters.update({name: getattr(policy, name) for name in POLICY_COUNTERS})
         counters.update(
-            semantic_searches=policy.semantic_searches,
-            trajectory_searches=policy.trajectory_searches,
-            prefetch_requests=policy.prefetch_requests,
-            prefetched_experts=policy.prefetched_experts,
-            late_skipped=policy.late_skipped,
             search_ns=int(policy.search_time_s * 1e9),
             errors=len(errors),
             store_size=len(policy.store) if policy.store is not None else 0,
