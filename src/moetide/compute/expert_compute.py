@@ -130,3 +130,30 @@ def grouped_pairs(
     y = y * pair_weights.unsqueeze(1).to(y.dtype)
     out = torch.zeros_like(hidden)
     return out.index_add_(0, pair_token, y.to(out.dtype))
+
+
+def reference_moe(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    pool_of: torch.Tensor,
+    slot_of: torch.Tensor,
+    pools: list,
+    act_fn: ActFn,
+) -> torch.Tensor:
+    """The per-expert reference of the fused kernel (`fused_moe.fused_moe`), in plain PyTorch: each
+    used expert's weights read through the slot table (`pool_of`, `slot_of` (E,)) from its
+    `slot_table.Pool`, dequantized if packed, run on its tokens and combined in transformers' order.
+    Experts with no pool add nothing. -> `(T, H)`. It reads the used ids on the host: the CPU
+    engine's path (no device to sync with) and the tests' reference, never a CUDA decode step."""
+    used = torch.unique(top_k_index).tolist()
+    pool_ids, slots = pool_of.tolist(), slot_of.tolist()
+    weights = {}
+    for e in used:
+        if 0 <= pool_ids[e] < len(pools):
+            weights[e] = pools[pool_ids[e]].weights(slots[e], hidden.dtype)
+
+    def run_expert(e: int, x: torch.Tensor) -> torch.Tensor:
+        return expert_mlp(x, *weights[e], act_fn)
+
+    return combine_experts(hidden, top_k_index, top_k_weights, run_expert, list(weights))

@@ -1,0 +1,333 @@
+"""One fused MoE path for any number of tokens and every precision a slot can hold (Triton).
+
+Shapes: T tokens, k experts per token, P = T*k (token, expert) pairs, E experts of the layer,
+H hidden, I expert intermediate.
+    hidden        (T, H)   bf16 / fp16 / fp32 activations
+    topk_ids      (T, k)   int64 expert ids chosen by the router
+    topk_weights  (T, k)   routing weights, any float dtype
+    pool_of       (E,)     int32, the pool holding each expert's version to run, -1 = none
+    slot_of       (E,)     int32, its row in that pool's arena (see `slot_table`)
+
+Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed T):
+  align     pairs sorted by expert into blocks of BLOCK_M rows, each block one expert
+            (`align_pairs`, after vLLM's `moe_align_block_size`); at BLOCK_M == 1 every pair is
+            its own block and nothing is sorted (decode of a few tokens: GEMV tiles).
+  gate_up   per pool, grid (blocks, cdiv(I, BLOCK_N)): h = silu(x @ Wg^T) * (x @ Wu^T) into a
+            (padded pairs, I) scratch. Blocks whose expert lives in another pool exit at once.
+  down      per pool, grid (blocks, cdiv(H, BLOCK_N)): y[pair] = w[pair] * (h @ Wd^T), float32.
+  reduce    out = y.view(T, k, H).sum(1): deterministic, no atomics.
+
+Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
+tiles are unpacked in registers (`(byte >> shift) & mask`, one code per element, as in vLLM's
+gptq/awq kernel), scaled by their group's float16 scale and offset, rounded to the activation
+dtype and fed to `tl.dot`. gate_up and down each carry their own format, so one expert version may
+hold int2 gate_up with int4 down. Mixed precision inside a layer costs one launch pair per pool over
+the same sorted blocks (the alternative, one launch with a per-block format, would compile every
+format pair into one kernel; see BENCHMARKS.md for the measurement).
+
+Import this module only where triton is installed; on CPU it runs under Triton's interpreter
+(TRITON_INTERPRET=1, set before triton is imported), which the tests use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_moe_config import KernelConfig, config_for
+from .slot_table import MatrixFormat, Pool
+
+
+@triton.jit
+def _weight_tile(
+    data_ptr,
+    param_ptr,
+    row,
+    row_data,
+    row_param,
+    data_off,
+    scale_off,
+    offset_off,
+    offs_n,
+    n_mask,
+    k0,
+    K: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    """W^T tile (BLOCK_K, BLOCK_N) of the matrix W (N, K) in pool row `row`, in OUT_DTYPE.
+
+    Dense (BITS >= 8): W row-major at `data_off` elements. Packed: codes row-major at `data_off`
+    bytes, K // (8 // BITS) bytes per row, element k at bits (k % per_byte) * BITS of byte
+    k // per_byte; float16 scale/offset (N, K // GROUP) at `scale_off` / `offset_off`."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_k < K)[:, None] & n_mask[None, :]
+    if BITS >= 8:
+        ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * K + offs_k[:, None]
+        return tl.load(ptrs, mask=mask, other=0.0).to(OUT_DTYPE)
+    else:
+        PER_BYTE: tl.constexpr = 8 // BITS
+        ROW_BYTES: tl.constexpr = K // PER_BYTE
+        ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES + (offs_k // PER_BYTE)[:, None]
+        packed = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        codes = (packed >> ((offs_k % PER_BYTE) * BITS)[:, None]) & ((1 << BITS) - 1)
+        GROUPS: tl.constexpr = K // GROUP
+        params = param_ptr + row * row_param
+        if GROUP % BLOCK_K == 0:  # the tile lies in one group: one scale and offset per column
+            idx = offs_n * GROUPS + k0 // GROUP
+            scale = tl.load(params + scale_off + idx, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            offset = tl.load(params + offset_off + idx, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        else:
+            idx = offs_n[None, :] * GROUPS + (offs_k // GROUP)[:, None]
+            scale = tl.load(params + scale_off + idx, mask=mask, other=0.0).to(tl.float32)
+            offset = tl.load(params + offset_off + idx, mask=mask, other=0.0).to(tl.float32)
+        return (codes.to(tl.float32) * scale + offset).to(OUT_DTYPE)
+
+
+# Triton's interpreter (CPU tests) computes tl.dot of bf16 operands wrongly (triton 3.9: errors of
+# 1e10 on a 16x16 product); there the operands are widened first, which is exact for bf16/fp16.
+_WIDEN_DOT = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _mm(a, b, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a (BLOCK_M, BLOCK_K) @ b (BLOCK_K, BLOCK_N) -> float32; BLOCK_M == 1 is a GEMV (no tl.dot)."""
+    if BLOCK_M == 1:
+        return tl.sum(a.to(tl.float32).reshape(a.shape[1], 1) * b.to(tl.float32), axis=0)[None, :]
+    elif _WIDEN_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+
+
+@triton.jit
+def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID,
+                BLOCK_M: tl.constexpr):  # fmt: skip
+    """This program's block: (runs here?, pool row, sorted positions (BLOCK_M,), pairs, pair mask)."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    safe = tl.maximum(expert, 0)
+    pool = tl.load(pool_of_ptr + safe)
+    runs = (expert >= 0) & (pool == POOL_ID)
+    row = tl.load(slot_of_ptr + safe).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + offs_m)
+    return runs, row, offs_m.to(tl.int64), pair.to(tl.int64), pair < num_pairs
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    stride_x,
+    h_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    pool_of_ptr,
+    slot_of_ptr,
+    num_pairs,
+    POOL_ID,
+    data_ptr,
+    param_ptr,
+    row_data,
+    row_param,
+    data_off,
+    scale_off,
+    offset_off,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """h[sorted position] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T)."""
+    runs, row, offs_m, pair, m_mask = _block_rows(
+        block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
+    )
+    if runs:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < INTER
+        token = pair // TOP_K
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        dtype = x_ptr.dtype.element_ty
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                x_ptr + token[:, None] * stride_x + offs_k[None, :],
+                mask=m_mask[:, None] & (offs_k < HIDDEN)[None, :],
+                other=0.0,
+            )
+            w_gate = _weight_tile(data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off,
+                                  offset_off, offs_n, n_mask, k0, HIDDEN, BITS, GROUP, BLOCK_K, dtype)  # fmt: skip
+            w_up = _weight_tile(data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off,
+                                offset_off, offs_n + INTER, n_mask, k0, HIDDEN, BITS, GROUP, BLOCK_K,
+                                dtype)  # fmt: skip
+            acc_gate += _mm(x, w_gate, BLOCK_M, DOT_PRECISION)
+            acc_up += _mm(x, w_up, BLOCK_M, DOT_PRECISION)
+        h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        h_ptrs = h_ptr + offs_m[:, None] * INTER + offs_n[None, :]
+        tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    y_ptr,
+    routing_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    pool_of_ptr,
+    slot_of_ptr,
+    num_pairs,
+    POOL_ID,
+    data_ptr,
+    param_ptr,
+    row_data,
+    row_param,
+    data_off,
+    scale_off,
+    offset_off,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """y[pair] (BLOCK_N columns) = routing[pair] * (h[sorted position] @ Wd^T), float32."""
+    runs, row, offs_m, pair, m_mask = _block_rows(
+        block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
+    )
+    if runs:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < HIDDEN
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        dtype = h_ptr.dtype.element_ty
+        for k0 in range(0, INTER, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            h = tl.load(
+                h_ptr + offs_m[:, None] * INTER + offs_k[None, :],
+                mask=m_mask[:, None] & (offs_k < INTER)[None, :],
+                other=0.0,
+            )
+            w = _weight_tile(data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off,
+                             offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP, BLOCK_K, dtype)  # fmt: skip
+            acc += _mm(h, w, BLOCK_M, DOT_PRECISION)
+        weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
+        y_ptrs = y_ptr + pair[:, None] * HIDDEN + offs_n[None, :]
+        tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the (token, expert) pairs into blocks of `block_m` rows, each block one expert.
+
+    topk_ids (T, k) -> (sorted_pair (R,) int32: pair id t*k + j at each row, P where padding;
+    block_expert (R // block_m,) int32: each block's expert, -1 past the last block). R is the
+    static bound P + min(E, P) * (block_m - 1), rounded up to block_m, so shapes depend on T only
+    (graph capture) and nothing is read back on the host. block_m == 1: no sort, every pair is a
+    block."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    device = flat.device
+    if block_m == 1:
+        return torch.arange(num_pairs, device=device, dtype=torch.int32), flat.to(torch.int32)
+    flat = flat.to(torch.int64)
+    counts = torch.zeros(num_experts, device=device, dtype=torch.int64)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_expert = flat.index_select(0, order)
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=device) - first_of_expert.index_select(0, sorted_expert)
+    dest = (ends - padded).index_select(0, sorted_expert) + rank
+    rows = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
+    sorted_pair = torch.full((rows,), num_pairs, device=device, dtype=torch.int32)
+    sorted_pair.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(0, rows, block_m, device=device, dtype=torch.int64)
+    block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return sorted_pair, block_expert
+
+
+def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, k: int, config, **args):
+    data = pool.data_view(matrix)
+    params = pool.param_view()
+    block_k = config.block_k if not matrix.packed else min(config.block_k, matrix.group_size)
+    kernel[grid](
+        **args,
+        POOL_ID=pool_id,
+        data_ptr=data,
+        param_ptr=params,
+        row_data=data.stride(0),
+        row_param=params.stride(0),
+        data_off=matrix.data_offset,
+        scale_off=matrix.scale_offset,
+        offset_off=matrix.offset_offset,
+        BITS=matrix.bits,
+        GROUP=max(matrix.group_size, 1),
+        BLOCK_N=config.block_n,
+        BLOCK_K=block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    pool_of: torch.Tensor,
+    slot_of: torch.Tensor,
+    pools: list[Pool],
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Routed experts of one layer from the pools' rows through the slot table: `(T, H)`.
+
+    Experts whose `pool_of` is -1 (or names a pool not listed) contribute nothing. No host sync.
+    """
+    num_tokens, hidden_size = hidden.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    fmt = pools[0].format
+    inter = fmt.intermediate_size
+    if fmt.hidden_size != hidden_size:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not fit the pools' H={fmt.hidden_size}")
+    config = config or config_for(num_tokens, hidden_size, inter, fmt.name)
+    hidden = hidden.contiguous()
+    sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), config.block_m)
+    h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)
+    y = torch.zeros(num_pairs, hidden_size, device=hidden.device, dtype=torch.float32)
+    routing = topk_weights.contiguous().reshape(-1)
+    blocks = block_expert.numel()
+    dot_precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # no TF32 rounding of fp32
+    common = dict(
+        sorted_pair_ptr=sorted_pair,
+        block_expert_ptr=block_expert,
+        pool_of_ptr=pool_of,
+        slot_of_ptr=slot_of,
+        num_pairs=num_pairs,
+        HIDDEN=hidden_size,
+        INTER=inter,
+        BLOCK_M=config.block_m,
+        DOT_PRECISION=dot_precision,
+    )
+    for pool_id, pool in enumerate(pools):
+        f = pool.format
+        _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
+                       f.gate_up, hidden_size, config, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
+                       TOP_K=top_k, **common)  # fmt: skip
+        _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
+                       f.down, inter, config, h_ptr=h, y_ptr=y, routing_ptr=routing, **common)  # fmt: skip
+    return y.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

@@ -1,0 +1,77 @@
+"""Tile sizes of the fused MoE kernel: a small table per (T bucket, H, I, format), tuned once on the
+H200 (`scripts/tune_fused_moe.py`, `triton.testing.do_bench`) and committed as
+`fused_moe_configs.json`; shapes not in it get `default_config`.
+
+T buckets: 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, then larger (a T maps to the smallest
+bucket >= T). Formats are `PoolFormat.name`: "bfloat16", "float16", "float32", "int4", "int2",
+"int2+int4", ...
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+TABLE_PATH = Path(__file__).with_name("fused_moe_configs.json")
+T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+GEMV_MAX_TOKENS = 2  # up to this many tokens, every pair is its own block (no sort, GEMV tiles)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """block_m rows per block (1 = GEMV), block_n output columns, block_k reduction tile (clamped to
+    the group size of packed matrices), warps and pipeline stages per program."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.block_m != 1 and self.block_m < 16 or self.block_n < 16 or self.block_k < 16:
+            raise ValueError("tl.dot needs block_m (unless 1), block_n and block_k >= 16")
+
+
+def t_bucket(num_tokens: int) -> int:
+    for bucket in T_BUCKETS:
+        if num_tokens <= bucket:
+            return bucket
+    return T_BUCKETS[-1]
+
+
+def default_config(num_tokens: int) -> KernelConfig:
+    """A safe choice for shapes the table does not hold: GEMV tiles for a couple of tokens, 16-row
+    blocks for decode batches, 64-row blocks for prefill."""
+    if num_tokens <= GEMV_MAX_TOKENS:
+        return KernelConfig(block_m=1, block_n=32, block_k=128, num_warps=4, num_stages=2)
+    if num_tokens <= 64:
+        return KernelConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return KernelConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+
+
+def table_key(num_tokens: int, hidden: int, inter: int, fmt: str) -> str:
+    return f"T{t_bucket(num_tokens)}_H{hidden}_I{inter}_{fmt}"
+
+
+@lru_cache(maxsize=1)
+def _table() -> dict[str, KernelConfig]:
+    if not TABLE_PATH.exists():
+        return {}
+    raw = json.loads(TABLE_PATH.read_text())
+    return {key: KernelConfig(**value) for key, value in raw.get("configs", {}).items()}
+
+
+def config_for(num_tokens: int, hidden: int, inter: int, fmt: str) -> KernelConfig:
+    """The tuned tiles for this shape, else `default_config`."""
+    return _table().get(table_key(num_tokens, hidden, inter, fmt)) or default_config(num_tokens)
+
+
+def as_json(configs: dict[str, KernelConfig]) -> dict:
+    return {key: asdict(value) for key, value in configs.items()}

@@ -1,0 +1,148 @@
+"""Where the fused MoE kernel finds each expert's weights: pools of fixed slots and a per-layer table.
+
+A *pool* is one device arena `(S, row_bytes)` uint8 whose rows all hold expert versions in one
+format (`PoolFormat`): the hi pool's dense rows (checkpoint dtype) or the lo pool's packed rows
+(int4/int2, each projection in its own bit width). The *slot table* of a layer maps each expert
+to `(pool id, slot)`:
+
+    pool_of (E,) int32   index into the pools list, or -1: no version to run (the expert adds 0)
+    slot_of (E,) int32   the row of that pool's arena
+
+The table is device memory: the kernel reads it, so the host never resolves a version in the
+forward pass. Who writes it (the residency core) decides which version a step uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NOT_RESIDENT = -1
+
+
+@dataclass(frozen=True)
+class MatrixFormat:
+    """One projection inside a slot row.
+
+    bits: 16/32 for a dense matrix in the pool dtype; 4 or 2 for packed codes.
+    group_size: codes per scale/offset pair along K (0 when dense).
+    data_offset: where the matrix starts in a row, in elements of its view (dense: the dtype's
+        elements; packed: bytes).
+    scale_offset, offset_offset: where its float16 scales / offsets start, in float16 elements.
+    """
+
+    bits: int
+    group_size: int
+    data_offset: int
+    scale_offset: int = 0
+    offset_offset: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.bits < 8
+
+
+@dataclass(frozen=True)
+class PoolFormat:
+    """The layout of every row of one pool: gate_up (2I, H) and down (H, I) of one expert."""
+
+    gate_up: MatrixFormat
+    down: MatrixFormat
+    hidden_size: int
+    intermediate_size: int
+    dtype: torch.dtype  # the dense dtype (hi) or the dtype codes dequantize to (lo)
+
+    @property
+    def name(self) -> str:
+        def one(m: MatrixFormat) -> str:
+            return f"int{m.bits}" if m.packed else str(self.dtype).removeprefix("torch.")
+
+        gu, dn = one(self.gate_up), one(self.down)
+        return gu if gu == dn else f"{gu}+{dn}"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A device arena `(S, row_bytes)` uint8 with its rows' format."""
+
+    arena: torch.Tensor
+    format: PoolFormat
+
+    def data_view(self, matrix: MatrixFormat) -> torch.Tensor:
+        """The arena as the element type `matrix`'s data is addressed in: `(S, row elements)`."""
+        return self.arena if matrix.packed else self.arena.view(self.format.dtype)
+
+    def param_view(self) -> torch.Tensor:
+        """The arena as float16 `(S, row_bytes // 2)`: scales and offsets of packed matrices."""
+        return self.arena.view(torch.float16)
+
+    def weights(self, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot `slot` as dense `gate_up (2I, H)`, `down (H, I)` in `dtype` (packed ones dequantized):
+        the reference path's weights."""
+        f = self.format
+        inter, hidden = f.intermediate_size, f.hidden_size
+        return (
+            self._matrix(slot, f.gate_up, 2 * inter, hidden, dtype),
+            self._matrix(slot, f.down, hidden, inter, dtype),
+        )
+
+    def _matrix(self, slot: int, m: MatrixFormat, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        data = self.data_view(m)[slot]
+        if not m.packed:
+            return data[m.data_offset : m.data_offset + rows * k].view(rows, k).to(dtype)
+        from ..store import quant
+
+        row_bytes = k * m.bits // 8
+        packed = data[m.data_offset : m.data_offset + rows * row_bytes].view(rows, row_bytes)
+        params = self.param_view()[slot]
+        groups = rows * (k // m.group_size)
+        scale = params[m.scale_offset : m.scale_offset + groups].view(rows, -1)
+        offset = params[m.offset_offset : m.offset_offset + groups].view(rows, -1)
+        return quant.dequantize_matrix(quant.unpack(packed, m.bits), scale, offset, dtype)
+
+
+def dense_format(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> PoolFormat:
+    """The hi layout of `store.host_store.hi_views`: gate_up then down, back to back."""
+    bits = torch.empty((), dtype=dtype).element_size() * 8
+    return PoolFormat(
+        MatrixFormat(bits, 0, 0),
+        MatrixFormat(bits, 0, 2 * intermediate_size * hidden_size),
+        hidden_size,
+        intermediate_size,
+        dtype,
+    )
+
+
+def matrix_bits(meta, name: str) -> int:
+    """Bit width of projection `name` ("gate_up" | "down") of a lo layout (per-tensor precision)."""
+    return int(getattr(meta, f"bits_{name}", meta.bits))
+
+
+def packed_format(meta, dtype: torch.dtype) -> PoolFormat:
+    """The lo layout of `store.quant.expert_layout` (`meta`), dequantized to `dtype`."""
+
+    def matrix(name: str, group_size: int) -> MatrixFormat:
+        return MatrixFormat(
+            matrix_bits(meta, name),
+            group_size,
+            meta.slot(f"{name}_packed").offset_bytes,
+            meta.slot(f"{name}_scale").offset_bytes // 2,
+            meta.slot(f"{name}_offset").offset_bytes // 2,
+        )
+
+    return PoolFormat(
+        matrix("gate_up", meta.group_size_gate_up),
+        matrix("down", meta.group_size_down),
+        meta.hidden_size,
+        meta.intermediate_size,
+        dtype,
+    )
+
+
+def pool_for(arena: torch.Tensor, meta, shape, dtype: torch.dtype) -> Pool:
+    """A `Pool` over `arena (S, row_bytes)`: packed rows laid out as `meta`, or (meta None or hi)
+    dense rows of `shape` (`ExpertShape`) in `shape.dtype`."""
+    if meta is None or not getattr(meta, "is_low_bit", False):
+        return Pool(arena, dense_format(shape.hidden, shape.intermediate, shape.dtype))
+    return Pool(arena, packed_format(meta, dtype))

@@ -1,0 +1,178 @@
+"""The fused MoE kernel (`compute/fused_moe.py`) equals the per-expert PyTorch reference, for any
+number of tokens, every slot format (dense, int4, int2, int2 gate_up + int4 down) and slot tables
+that mix pools in one layer.
+
+Kernel tests run compiled on CUDA; on CPU they run under Triton's interpreter in a fresh process
+(`test_fused_kernel_under_interpreter`; see `triton_interpreter.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_interpreter import CUDA, HAS_TRITON, INTERPRETING, kernel_device, run_under_interpreter
+
+from moetide.compute.expert_compute import reference_moe
+from moetide.compute.fused_moe_config import KernelConfig, config_for, default_config, t_bucket
+from moetide.compute.slot_table import NOT_RESIDENT, Pool, dense_format, packed_format
+from moetide.store import quant
+
+MIN_INTERPRETER_PASSES = 14
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not (CUDA or INTERPRETING):
+        pytest.skip("on CPU this runs in a subprocess: test_fused_kernel_under_interpreter")
+    return importlib.import_module("moetide.compute.fused_moe")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(CUDA or INTERPRETING, reason="the kernel tests run in this process")
+def test_fused_kernel_under_interpreter():
+    result, passed, summary = run_under_interpreter(__file__, "fused_kernel and not under_interpreter")
+    assert result.returncode == 0, summary
+    assert passed >= MIN_INTERPRETER_PASSES, summary
+
+
+def random_expert(inter, hidden, g):
+    return torch.randn(2 * inter, hidden, generator=g) * 0.05, torch.randn(hidden, inter, generator=g) * 0.05
+
+
+def make_pool(num_rows, inter, hidden, precision, dtype, seed=0, group_size=None):
+    """A `Pool` of `num_rows` random experts: dense rows in `dtype` ("hi") or packed rows."""
+    g = torch.Generator().manual_seed(seed)
+    rows, meta = [], None
+    for _ in range(num_rows):
+        gate_up, down = random_expert(inter, hidden, g)
+        if precision == "hi":
+            gate_up, down = gate_up.to(dtype), down.to(dtype)
+        buf, meta = quant.pack_expert(gate_up, down, precision, group_size=group_size, quant_method="rtn")
+        rows.append(buf)
+    arena = torch.stack(rows).to(kernel_device())
+    if precision == "hi":
+        return Pool(arena, dense_format(hidden, inter, dtype))
+    return Pool(arena, packed_format(meta, dtype))
+
+
+def mixed_pool(num_rows, inter, hidden, dtype, seed=0):
+    """Packed rows with int2 gate_up and int4 down (per-tensor precision), built from an int4 and an
+    int2 layout: the down matrix of the int4 version is copied into a row laid out for both."""
+    g = torch.Generator().manual_seed(seed)
+    gu_meta = dn_meta = None
+    rows = []
+    for _ in range(num_rows):
+        gate_up, down = random_expert(inter, hidden, g)
+        lo2, gu_meta = quant.pack_expert(gate_up, down, "int2", quant_method="rtn")
+        lo4, dn_meta = quant.pack_expert(gate_up, down, "int4", quant_method="rtn")
+        rows.append(torch.cat([lo2, lo4]))
+    arena = torch.stack(rows).to(kernel_device())
+    f2, f4 = packed_format(gu_meta, dtype), packed_format(dn_meta, dtype)
+    shift_u8, shift_f16 = gu_meta.nbytes, gu_meta.nbytes // 2
+    down = type(f4.down)(
+        f4.down.bits,
+        f4.down.group_size,
+        f4.down.data_offset + shift_u8,
+        f4.down.scale_offset + shift_f16,
+        f4.down.offset_offset + shift_f16,
+    )
+    return Pool(arena, type(f2)(f2.gate_up, down, hidden, inter, dtype))
+
+
+def routing(num_tokens, num_experts, top_k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    weights, ids = torch.topk(F.softmax(logits, dim=-1), top_k, dim=-1)
+    dev = kernel_device()
+    return ids.to(dev), weights.to(dtype).to(dev)
+
+
+def table(num_experts, pools_rows, seed):
+    """A mixed slot table: each expert in a random pool (or none) at a random distinct row."""
+    g = torch.Generator().manual_seed(seed)
+    pool_of = torch.randint(-1, len(pools_rows), (num_experts,), generator=g, dtype=torch.int32)
+    slot_of = torch.zeros(num_experts, dtype=torch.int32)
+    for p, rows in enumerate(pools_rows):
+        members = (pool_of == p).nonzero().flatten()
+        slot_of[members] = torch.randperm(rows, generator=g)[: members.numel()].to(torch.int32)
+    dev = kernel_device()
+    return pool_of.to(dev), slot_of.to(dev)
+
+
+def assert_close(out, ref, dtype):
+    assert not torch.isnan(out).any()
+    err = (out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), float(err)
+
+
+E, TOP_K, H, I = 8, 2, 64, 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 33, 256, 2048])
+def test_fused_kernel_mixed_table(kernel, dtype, num_tokens):
+    """hi, int4 and int2+4 pools in one layer, some experts in none: equals the reference."""
+    pools = [
+        make_pool(6, I, H, "hi", dtype, seed=1),
+        make_pool(5, I, H, "int4", dtype, seed=2),
+        mixed_pool(4, I, H, dtype, seed=3),
+    ]
+    pool_of, slot_of = table(E, [6, 5, 4], seed=num_tokens)
+    ids, weights = routing(num_tokens, E, TOP_K, dtype, seed=num_tokens)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(7)).to(dtype)
+    hidden = hidden.to(kernel_device())
+    out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    ref = reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu)
+    assert out.shape == hidden.shape and out.dtype == dtype
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("precision", ["int4", "int2"])
+@pytest.mark.parametrize("config", [KernelConfig(1, 16, 32), KernelConfig(16, 32, 64), KernelConfig(32, 16, 16)])
+def test_fused_kernel_tiles(kernel, precision, config):
+    """Every tile shape computes the same function (block_k clamped to the group size)."""
+    pools = [make_pool(E, I, H, precision, torch.float32, seed=4, group_size=32)]
+    pool_of = torch.arange(E, dtype=torch.int32, device=kernel_device())
+    slot_of = torch.arange(E - 1, -1, -1, dtype=torch.int32, device=kernel_device())
+    ids, weights = routing(5, E, TOP_K, torch.float32, seed=5)
+    hidden = torch.randn(5, H, generator=torch.Generator().manual_seed(8)).to(kernel_device())
+    out = kernel.fused_moe(hidden, ids, weights, pool_of * 0, slot_of, pools, config=config)
+    ref = reference_moe(hidden, ids, weights, pool_of * 0, slot_of, pools, F.silu)
+    assert_close(out, ref, torch.float32)
+
+
+def test_fused_kernel_empty_table_adds_nothing(kernel):
+    pools = [make_pool(2, I, H, "hi", torch.float32)]
+    pool_of = torch.full((E,), NOT_RESIDENT, dtype=torch.int32, device=kernel_device())
+    ids, weights = routing(4, E, TOP_K, torch.float32, seed=9)
+    hidden = torch.randn(4, H).to(kernel_device())
+    out = kernel.fused_moe(hidden, ids, weights, pool_of, pool_of * 0, pools)
+    assert torch.equal(out, torch.zeros_like(hidden))
+
+
+@pytest.mark.parametrize("block_m", [1, 16, 64])
+def test_fused_kernel_align_pairs(kernel, block_m):
+    """Every pair lands once, in a block of its own expert; padding rows hold the sentinel P."""
+    ids, _ = routing(37, E, TOP_K, torch.float32, seed=11)
+    sorted_pair, block_expert = kernel.align_pairs(ids, E, block_m)
+    P = ids.numel()
+    rows = sorted_pair.cpu().long()
+    experts = block_expert.cpu().long().repeat_interleave(block_m)
+    real = rows < P
+    assert sorted(rows[real].tolist()) == list(range(P))
+    assert torch.equal(experts[real], ids.reshape(-1).cpu()[rows[real]])
+    assert (block_expert.cpu()[: -(-P // 1) if block_m == 1 else None] >= -1).all()
+
+
+def test_config_table_and_defaults():
+    assert t_bucket(1) == 1 and t_bucket(3) == 4 and t_bucket(10**6) == 4096
+    assert default_config(1).block_m == 1 and default_config(32).block_m == 16
+    assert default_config(2048).block_m == 64
+    assert config_for(7, 12345, 678, "int4") == default_config(7)  # not in the table
+    with pytest.raises(ValueError):
+        KernelConfig(block_m=8)
