@@ -41,17 +41,18 @@ def run_under_interpreter(test_file: str, keyword: str) -> tuple[subprocess.Comp
     return result, int(passed.group(1)) if passed else 0, summary
 
 
-def run_both_lo_kernels(kernel, monkeypatch, path, ids: torch.Tensor, max_tokens: int, **llm_kwargs):
-    """Load `path` once per lo kernel ("dequant", then "triton") with `llm_kwargs`, and for each run the
-    forward of `ids` and a greedy generation of `max_tokens` from [5, 6, 7, 8].
+def run_both_kernels(kernel, monkeypatch, path, ids: torch.Tensor, max_tokens: int, **llm_kwargs):
+    """Load `path` once per kernel choice ("dequant": the per-expert reference, then "triton": the
+    fused kernel) with `llm_kwargs`, and for each run the forward of `ids` and a greedy generation of
+    `max_tokens` from [5, 6, 7, 8].
 
     Returns `({lo_kernel: (logits float32, greedy token ids, lo_runs)}, calls)`, where `calls` lists one
-    entry per call of `kernel.grouped_lowbit_moe` (so a test can check the fused kernel really ran)."""
+    entry per call of `kernel.fused_moe` (so a test can check the fused kernel really ran)."""
     import moetide
 
     calls = []
-    real = kernel.grouped_lowbit_moe
-    monkeypatch.setattr(kernel, "grouped_lowbit_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = kernel.fused_moe
+    monkeypatch.setattr(kernel, "fused_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     results = {}
     for lo_kernel in ("dequant", "triton"):
         llm = moetide.LLM(path, lo_kernel=lo_kernel, **llm_kwargs)

@@ -295,12 +295,13 @@ def fused_moe(
 ) -> torch.Tensor:
     """Routed experts of one layer from the pools' rows through the slot table: `(T, H)`.
 
-    Experts whose `pool_of` is -1 (or names a pool not listed) contribute nothing. No host sync.
+    `pools[i]` is pool id i (None: a pool without slots). Experts whose `pool_of` is -1 contribute
+    nothing. No host sync.
     """
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    fmt = pools[0].format
+    fmt = next(pool for pool in pools if pool is not None).format
     inter = fmt.intermediate_size
     if fmt.hidden_size != hidden_size:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not fit the pools' H={fmt.hidden_size}")
@@ -324,6 +325,8 @@ def fused_moe(
         DOT_PRECISION=dot_precision,
     )
     for pool_id, pool in enumerate(pools):
+        if pool is None:  # a pool without slots (no expert can point there)
+            continue
         f = pool.format
         _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
                        f.gate_up, hidden_size, config, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,

@@ -98,9 +98,25 @@ def fixed_costs(
         + heads * tokens * tokens * 4  # attention scores if the math path of SDPA is taken
         + config.max_num_seqs * model_config.vocab_size * 4 * 3  # last-position logits and sampling
     )
+    return FixedCosts(
+        weights, kv_tokens * per_token, activations, moe_scratch_bytes(model_config, hi_expert_bytes), kv_tokens
+    )
+
+
+def moe_scratch_bytes(model_config, hi_expert_bytes: int) -> int:
+    """Scratch of one MoE layer at the largest prefill forward: the fused kernel's intermediate
+    (padded pairs x I, compute dtype) and per-pair outputs (pairs x H, float32); or, on the
+    reference path, one expert's dequantized weights, whichever is larger."""
+    from ..compute.fused_moe_config import default_config
+
     top_k = getattr(model_config, "num_experts_per_tok", 2)
-    # decode batch 1 gathers top_k experts' weights; lo chunks dequantize top_k experts at a time
-    return FixedCosts(weights, kv_tokens * per_token, activations, top_k * hi_expert_bytes, kv_tokens)
+    experts = getattr(model_config, "num_experts", None) or getattr(model_config, "n_routed_experts", 1)
+    pairs = MAX_PREFILL_TOKENS * top_k
+    block_m = default_config(MAX_PREFILL_TOKENS).block_m
+    rows = pairs + min(experts, pairs) * (block_m - 1)
+    hidden = model_config.hidden_size
+    inter = hi_expert_bytes // (3 * hidden)  # I x the element size
+    return max(rows * inter + pairs * hidden * 4, hi_expert_bytes)
 
 
 def build_residency(

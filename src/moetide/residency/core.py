@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import BudgetError
-from ..store.host_store import HostExpertStore, hi_group_views, hi_views
+from ..store.host_store import HostExpertStore, hi_views
 from .budget import BudgetTracker, MemoryPlan
 from .handles import DeviceVersion, ExpertHandle
 from .metrics import ExpertMetrics
@@ -107,9 +107,8 @@ class ResidencyManager:
         self._layers_done = -1  # the last layer acquired in this iteration (its protection has served)
         self.iteration = 0
         self._tick = 0
-        self._hi_groups = None
-        self._static_hi = False
-        self._static_lo = False
+        self._kernel_pools = None  # (dtype, pools) of `kernel_pools`
+        self._static_table = None  # (pool_of, slot_of) (L, E) when every slot is fixed for good
         if options.mode == "lo+hi" or options.mode == "all-lo":
             for row in self.handles:
                 for h in row:
@@ -516,51 +515,40 @@ class ResidencyManager:
             v.slot == h.layer * E + h.expert for row in self.handles for h in row for v in h.versions.values()
         )
         complete = len(issued) == self.store.num_layers * E
-        self._static_lo = self.options.mode == "all-lo" and pool == "lo" and in_order and complete
-        self._static_hi = (
-            self.options.mode == "all-hi"
-            and all(
-                h.versions["hi"].slot == h.layer * E + h.expert
-                for row in self.handles
-                for h in row
-                if "hi" in h.versions
-            )
-            and len(issued) == self.store.num_layers * E
-        )
+        fixed_mode = {"all-lo": "lo", "all-hi": "hi"}.get(self.options.mode)
+        if fixed_mode == pool and in_order and complete:
+            self._fix_static_table(pool)
 
-    def hi_pool_groups(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The hi pool as grouped weights `gate_up (S, 2I, H)`, `down (S, H, I)`, one group per slot."""
-        if self.pools["hi"].num_slots == 0 or self.options.hi_precision != "hi":
-            return None
-        if self._hi_groups is None:
-            self._hi_groups = hi_group_views(self.pools["hi"].arena, self.store.shape)
-        return self._hi_groups
+    pool_ids = {"hi": 0, "lo": 1}  # a version's pool -> its index in `kernel_pools` and the slot tables
 
-    def static_hi_groups(self, layer: int):
-        """`(first group of the layer, gate_up, down)` when every expert is hi-resident at slot
-        layer*E + e for good (no-offload): the forward pass then needs no host sync."""
-        if not self._static_hi:
-            return None
-        E = self.store.num_experts
-        gate_up, down = self.hi_pool_groups()
-        return 0, gate_up[layer * E : (layer + 1) * E], down[layer * E : (layer + 1) * E]
+    def kernel_pools(self, dtype: torch.dtype) -> list:
+        """The pools as the MoE kernel reads them (`compute.slot_table.Pool`, indexed by `pool_ids`;
+        None for a pool without slots), packed formats dequantized to `dtype`."""
+        if self._kernel_pools is None or self._kernel_pools[0] != dtype:
+            from ..compute.slot_table import pool_for
 
-    def lo_pool_rows(self):
-        """`(lo pool arena (S, nbytes), meta)` for batched dequantization of lo slots, or None."""
-        if self.pools["lo"].num_slots == 0:
-            return None
-        return self.pools["lo"].arena, self.store.meta[self.options.lo_precision]
+            pools = []
+            for name in self.pool_ids:
+                pool, precision = self.pools[name], self._precision_of(name)
+                meta = self.store.meta.get(precision) if precision != "hi" else None
+                pools.append(pool_for(pool.arena, meta, self.store.shape, dtype) if pool.num_slots else None)
+            self._kernel_pools = (dtype, pools)
+        return self._kernel_pools[1]
 
-    def static_lo_rows(self, layer: int):
-        """`(first slot of the layer, lo arena (S, nbytes), meta)` when every expert is lo-resident at
-        slot layer*E + e for good (static-int4/int2)."""
-        if not self._static_lo:
+    def static_table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(pool_of, slot_of)` (E,) int32 device tensors of `layer` when every expert has a version at
+        a fixed slot for good (no-offload: hi at layer*E + e; static-int4/int2: lo there): the forward
+        pass then needs no host decision. None otherwise."""
+        if self._static_table is None:
             return None
-        return (
-            layer * self.store.num_experts,
-            self.pools["lo"].arena,
-            self.store.meta[self.options.lo_precision],
-        )
+        pool_of, slot_of = self._static_table
+        return pool_of[layer], slot_of[layer]
+
+    def _fix_static_table(self, pool: str) -> None:
+        L, E = self.store.num_layers, self.store.num_experts
+        slots = torch.arange(L * E, dtype=torch.int32, device=self.device).view(L, E)
+        pool_of = torch.full((L, E), self.pool_ids[pool], dtype=torch.int32, device=self.device)
+        self._static_table = (pool_of, slots)
 
     def settle(self) -> None:
         """Apply every queued request now, without the rate limit, and wait for all copies (for

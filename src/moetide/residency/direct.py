@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..store.host_store import HostExpertStore, hi_group_views, hi_views
+from ..store.host_store import HostExpertStore, hi_views
 from .metrics import ExpertMetrics
 
 
@@ -36,7 +36,8 @@ class DirectResidency:
         self.store = store
         self.metrics = metrics
         self.device_type = device_type
-        self._groups = None
+        self._pools = None
+        self._table = None
 
     def begin_iteration(self, iteration: int) -> None:
         pass
@@ -65,25 +66,25 @@ class DirectResidency:
     def release(self, layer: int, experts: list[int]) -> None:
         pass
 
-    def static_hi_groups(self, layer: int):
+    pool_ids = {"store": 0}
+
+    def kernel_pools(self, dtype: torch.dtype) -> list:
+        """The host store's hi arena as the one pool (CPU: host memory is the device's)."""
+        if self._pools is None:
+            from ..compute.slot_table import pool_for
+
+            self._pools = [pool_for(self.store.versions["hi"], None, self.store.shape, dtype)]
+        return self._pools
+
+    def static_table(self, layer: int):
         """On the CPU the store is the device memory: every expert sits at row layer*E + e."""
-        arena = self.store.versions["hi"]
-        if arena.device.type != "cpu" or self.device_type != "cpu":
+        if self.store.versions["hi"].device.type != "cpu" or self.device_type != "cpu":
             return None
-        if self._groups is None:
-            self._groups = hi_group_views(arena, self.store.shape)
-        E = self.store.num_experts
-        gate_up, down = self._groups
-        return 0, gate_up[layer * E : (layer + 1) * E], down[layer * E : (layer + 1) * E]
-
-    def hi_pool_groups(self):
-        return None
-
-    def static_lo_rows(self, layer: int):
-        return None
-
-    def lo_pool_rows(self):
-        return None
+        if self._table is None:
+            L, E = self.store.num_layers, self.store.num_experts
+            slots = torch.arange(L * E, dtype=torch.int32).view(L, E)
+            self._table = (torch.zeros(L, E, dtype=torch.int32), slots)
+        return self._table[0][layer], self._table[1][layer]
 
     def resident_counts(self) -> dict[str, int]:
         return {}

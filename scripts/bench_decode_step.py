@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Decode tok/s at batch 1 and 32 and 2k-token prefill TTFT of moetide's static policies, against
+transformers' `generate` with a static cache (compiled step), all in one process on one checkpoint
+(the OLMoE-1B-7B shape with random weights, written as a real safetensors checkpoint).
+
+    python scripts/bench_decode_step.py --out out/decode_step.json [--batch-sizes 1,32] \
+        [--policies no-offload,static-int4,static-int2] [--budget 4GiB] [--skip-hf]
+
+Decode tok/s of a batch = generated tokens after each sequence's first / wall time of the steps
+after the prefill (a warm-up of the same shape runs first, untimed). Each moetide run also reports
+`metrics.host_syncs` over its whole `generate` (prefill included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import moetide
+from moetide.bench.synthetic import write_synthetic_checkpoint
+
+
+def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def free() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
+    """One engine run of `batch`, stepping it by hand: (prefill seconds, decode tok/s)."""
+    engine = llm.engine
+    params = moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(ids, params) for ids in batch]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    decode_start, tokens_at_start = None, 0
+    while engine.has_unfinished():
+        engine.step()
+        if decode_start is None and all(s.output_ids for s in seqs):
+            torch.cuda.synchronize()
+            decode_start = time.perf_counter()
+            tokens_at_start = sum(len(s.output_ids) for s in seqs)
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    decoded = sum(len(s.output_ids) for s in seqs) - tokens_at_start
+    return {"prefill_s": decode_start - t0, "decode_tok_s": decoded / (end - decode_start)}
+
+
+def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len) -> list[dict]:
+    free()
+    t0 = time.perf_counter()
+    llm = moetide.LLM(str(path), policy=policy, gpu_memory=budget, max_num_seqs=max(batch_sizes),
+                      max_model_len=max(prefill_len + 8, 256))  # fmt: skip
+    load_s = time.perf_counter() - t0
+    vocab = llm.loaded.config.vocab_size
+    rows = []
+    for b in batch_sizes:
+        timed_generate(llm, prompts(vocab, b, 32, seed=b), new_tokens)  # warm-up: captures, compiles
+        llm.metrics.reset()
+        r = timed_generate(llm, prompts(vocab, b, 32, seed=100 + b), new_tokens)
+        rows.append({"engine": "moetide", "policy": policy, "gpu_memory": budget, "batch": b, "load_s": load_s,
+                     "host_syncs": llm.metrics.host_syncs, **r,
+                     "graphs": llm.engine.runner.graph_stats()})  # fmt: skip
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "graphs"}), flush=True)
+    if prefill_len:
+        long = prompts(vocab, 1, prefill_len, seed=7)
+        timed_generate(llm, long, 2)
+        best = min(timed_generate(llm, long, 2)["prefill_s"] for _ in range(3))
+        rows.append({"engine": "moetide", "policy": policy, "gpu_memory": budget, "prefill_tokens": prefill_len,
+                     "ttft_s": best})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    rows[0]["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    llm.close()
+    del llm
+    return rows
+
+
+def bench_hf_static(path, batch_sizes, new_tokens) -> list[dict]:
+    """transformers' generate, whole model on the GPU, `cache_implementation="static"`."""
+    from transformers import AutoModelForCausalLM
+
+    free()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda").eval()
+    rows = []
+    for b in batch_sizes:
+        ids = torch.tensor(prompts(model.config.vocab_size, b, 32, seed=100 + b), device="cuda")
+        gen = dict(do_sample=False, eos_token_id=None, pad_token_id=2, cache_implementation="static")
+        try:
+            with torch.inference_mode():
+                for n in (new_tokens, new_tokens):  # warm-up twice: compile, then the steady state
+                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model.generate(ids, max_new_tokens=1, **gen)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+        except Exception as e:  # one baseline failing must not lose the rest
+            rows.append({"engine": "hf-static", "batch": b, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(rows[-1], flush=True)
+            continue
+        decode_s = (t2 - t1) - (t1 - t0)
+        rows.append({"engine": "hf-static", "batch": b, "decode_tok_s": b * (new_tokens - 1) / decode_s,
+                     "peak_gpu_bytes": torch.cuda.max_memory_allocated()})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    del model
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="olmoe-1b-7b")
+    ap.add_argument("--checkpoint", default="/tmp/moetide-synthetic")
+    ap.add_argument("--policies", default="no-offload,static-int4,static-int2")
+    ap.add_argument("--budget", default="4GiB", help="for every policy but no-offload")
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the TTFT run (0: none)")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    ckpt = Path(args.checkpoint) / args.shape
+    if not (ckpt / "model.safetensors.index.json").is_file():
+        write_synthetic_checkpoint(args.shape, ckpt)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "shape": args.shape, "runs": []}  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for policy in args.policies.split(","):
+        budget = None if policy == "no-offload" else args.budget
+        try:
+            report["runs"] += bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill)
+        except Exception as e:
+            report["runs"].append({"engine": "moetide", "policy": policy, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(report["runs"][-1], flush=True)
+        out.write_text(json.dumps(report, indent=1))
+    if not args.skip_hf:
+        report["runs"] += bench_hf_static(ckpt, batch_sizes, args.new_tokens)
+    out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
