@@ -12,6 +12,8 @@ client's connection, so a disconnect is still seen.
 
 `read_timeout_protocol(timeout_s)`: uvicorn's h11 protocol, closing a connection whose request
 headers take longer than `timeout_s` (from the connection's start, or from the previous response).
+
+`DrainingServer`: uvicorn's server with moetide's shutdown (drain, then abort; a second signal exits).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import threading
 
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .protocol import error_body
@@ -169,3 +173,36 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with moetide's shutdown. The first SIGINT/SIGTERM closes the listener, refuses
+    new requests and lets accepted ones run for up to `drain_timeout_s`; then it aborts what is left,
+    so every stream still ends with a final chunk (finish_reason "abort") and [DONE]. A second signal
+    exits at once. Prints one line with the bound address once serving.
+
+    Set uvicorn's `timeout_graceful_shutdown` a few seconds above `drain_timeout_s`, so that the
+    aborted streams can send their last chunk before uvicorn cancels their tasks.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine, drain_timeout_s: float, banner: str):
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
+        self.banner = banner
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers and self.servers[0].sockets:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"[moetide] serving {self.banner} on http://{host}:{port}/v1", flush=True)
+
+    def handle_exit(self, sig, frame) -> None:
+        # a signal handler: it must not take the engine's lock (the interrupted code may hold it),
+        # so the engine is told from a thread of its own
+        if self.should_exit:
+            self.force_exit = True
+            threading.Thread(target=self.engine.cancel_all, daemon=True).start()
+        else:
+            threading.Thread(target=self.engine.stop, args=(self.drain_timeout_s,), daemon=True).start()
+        super().handle_exit(sig, frame)
