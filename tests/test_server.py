@@ -70,11 +70,18 @@ def start_server(checkpoint, *, max_num_seqs: int, max_queue: int, runner_hook=N
     return start_frontend(async_engine, tokenizer, lifespan="on")
 
 
-def start_frontend(async_engine, tokenizer, *, lifespan: str = "off", read_timeout_s: float = 30, **app_kwargs):
+def start_frontend(
+    async_engine, tokenizer, *, lifespan: str = "off", read_timeout_s: float = 30, **app_kwargs
+):
     """uvicorn on a free loopback port over `async_engine`. With lifespan "off" it is one more front end
     over an engine that another server runs (this one neither starts nor stops it)."""
     app = create_app(
-        async_engine, tokenizer, model_name=MODEL, drain_timeout_s=5, read_timeout_s=read_timeout_s, **app_kwargs
+        async_engine,
+        tokenizer,
+        model_name=MODEL,
+        drain_timeout_s=5,
+        read_timeout_s=read_timeout_s,
+        **app_kwargs,
     )
     config = uvicorn.Config(
         app,
@@ -459,7 +466,11 @@ BAD_INPUTS = {
     ),
     "response_format json_object": (
         "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"},
+        },
         400,
         "response_format",
         None,
@@ -634,8 +645,13 @@ def test_a_request_that_fails_in_the_step_ends_alone(server):
         stream = server.engine.submit(server.tokenizer.encode("broken"), broken)
         client = server.async_client()
         others = [
-            client.completions.create(model=MODEL, prompt=PROMPTS_8[i], max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
+            client.completions.create(
+                model=MODEL,
+                prompt=PROMPTS_8[i],
+                max_tokens=12,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             for i in range(4)
         ]
         try:
@@ -682,7 +698,11 @@ READ_TIMEOUT_S = 0.5
 @pytest.fixture(scope="module")
 def guarded(server):
     live = start_frontend(
-        server.engine, server.tokenizer, api_key=API_KEY, max_request_bytes=MAX_BYTES, read_timeout_s=READ_TIMEOUT_S
+        server.engine,
+        server.tokenizer,
+        api_key=API_KEY,
+        max_request_bytes=MAX_BYTES,
+        read_timeout_s=READ_TIMEOUT_S,
     )
     live.api_key = API_KEY
     yield live
@@ -755,7 +775,7 @@ def test_slow_clients_time_out(guarded):
     with socket.create_connection((host, int(port)), timeout=10) as sock:  # the body never finishes
         sock.sendall(
             f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
-            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"".encode()
+            'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'.encode()
         )
         assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
     still_serves(guarded)

@@ -78,8 +78,9 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generat
     """One token from one row: `logits (V,)` float32 -> `()` int64 (on the CPU unless greedy)."""
     if p.greedy:
         return logits.argmax()
-    # shifted so the maximum is 0: dividing by a tiny temperature gives -inf, never inf or NaN
-    row = (logits - logits.max()) / p.temperature
+    # shifted so the maximum is 0, and a temperature no smaller than float32's smallest normal number
+    # (a smaller one is 0 in float32, and 0/0 is NaN): dividing gives -inf at worst, never inf or NaN
+    row = (logits - logits.max()) / max(p.temperature, torch.finfo(torch.float32).tiny)
     row = _filter_top_k_top_p(row, p.top_k, p.top_p)
     probs = torch.softmax(row, dim=-1)
     # generator lives on the CPU so seeded runs give the same tokens on any device

@@ -58,7 +58,7 @@ RETRY_AFTER_S = 1
 class _Kind:
     """What differs between the completions and chat routes; everything else is one path."""
 
-    request_type: type[CompletionRequest] | type[ChatCompletionRequest]
+    request_type: type[CompletionRequest | ChatCompletionRequest]
     id_prefix: str
     body: Callable[..., dict]  # (id, model, text, finish_reason, prompt_tokens, output_tokens, created)
     chunk: Callable[..., dict]  # (id, model, created, text | None, finish_reason, usage)

@@ -55,11 +55,9 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected_auth is not None and scope["path"] not in OPEN_PATHS:
-            # constant-time comparison: the time taken says nothing about how much of the key matched
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected_auth):
-                message = "invalid or missing API key: send the header `Authorization: Bearer <key>`"
-                return await _reply(send, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        if not self._authorized(scope["path"], headers):
+            message = "invalid or missing API key: send the header `Authorization: Bearer <key>`"
+            return await _reply(send, 401, message, "invalid_api_key", [(b"www-authenticate", b"Bearer")])
         if scope["method"] not in _BODY_METHODS:
             return await self.app(scope, receive, send)
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
@@ -83,6 +81,12 @@ class RequestGuard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return await self.app(scope, replay, send)
+
+    def _authorized(self, path: str, headers: dict[bytes, bytes]) -> bool:
+        if self.expected_auth is None or path in OPEN_PATHS:
+            return True
+        # constant-time comparison: the time taken says nothing about how much of the key matched
+        return hmac.compare_digest(headers.get(b"authorization", b""), self.expected_auth)
 
     async def _read_body(self, receive, send) -> bytes | None:
         """The whole body, or None once an error answer is sent (or the client left)."""
