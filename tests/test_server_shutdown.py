@@ -138,8 +138,12 @@ def test_sigterm_finishes_what_it_can_and_aborts_the_rest_with_done(long_context
         assert 0 < long_events[-2]["usage"]["completion_tokens"] < LONG_TOKENS
         assert server.wait(30) == -signal.SIGTERM
         assert "Traceback" not in server.output, server.output
-        # --quiet: the serving line, no access log, no info logs
-        assert "INFO" not in server.output and "POST /v1/completions" not in server.output, server.output
+        # --quiet: the serving line, no progress bar, no access log, no info logs
+        assert next(line for line in server.lines if line.strip()).startswith("[moetide] serving"), (
+            server.output
+        )
+        assert "loading" not in server.output and "INFO" not in server.output, server.output
+        assert "POST /v1/completions" not in server.output, server.output
     finally:
         server.kill()
 

@@ -7,6 +7,7 @@ Both encoders run in the thread pool, never on the event loop.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import uuid
@@ -84,10 +85,6 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.context_tokens = context_tokens
         self.max_chars_per_token = max_chars_per_token(tokenizer)
-        # a copy that never matches special tokens, for message text; a copy (not a call argument)
-        # because transformers keeps that switch on the shared backend, which other threads use
-        self.text_tokenizer = copy.deepcopy(tokenizer)
-        self.text_tokenizer.split_special_tokens = True
         self.specials = {
             t.content: i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", True)
         }
@@ -96,6 +93,14 @@ class PromptEncoder:
             if self.specials
             else None
         )
+
+    @functools.cached_property
+    def text_tokenizer(self):
+        """A copy that never matches special tokens, made when a message first needs it. A copy, not a
+        call argument: transformers keeps that switch on the backend, which other threads share."""
+        text_tokenizer = copy.deepcopy(self.tokenizer)
+        text_tokenizer.split_special_tokens = True
+        return text_tokenizer
 
     # -- completions ---------------------------------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
