@@ -626,45 +626,61 @@ def _eight_concurrent(live: LiveServer, poisoned: int | None) -> list:
 def test_poisoned_request_among_eight_changes_nothing_for_the_others(server):
     clean = _eight_concurrent(server, poisoned=None)
     assert all(isinstance(text, str) for text in clean), clean
-    poisoned = _eight_concurrent(server, poisoned=3)
-    assert [t for i, t in enumerate(poisoned) if i != 3] == [t for i, t in enumerate(clean) if i != 3]
+    poisoned = _eight_concurrent(server, poisoned=7)  # sent last: it joins the others
+    assert poisoned[:7] == clean[:7]
     # a top_p that rounds to 0 keeps the most likely token alone: the poisoned request is greedy
-    assert poisoned[3] == clean[3]
+    assert poisoned[7] == clean[7]
     assert server.engine.is_alive
     assert server.metric("moetide_engine_step_errors_total") == 0
 
 
-def test_a_request_that_fails_in_the_step_ends_alone(server):
-    """A request whose own processing raises inside the engine step (here: sampling parameters broken
-    after validation, as a bug would) ends with an error; the batch around it finishes unchanged."""
-    from moetide.engine.sampling import SamplingParams
+def _four_running(live: LiveServer, late=None):
+    """Four greedy completions of 40 tokens at once; with `late` (SamplingParams), one more request
+    joins the batch through the engine once all four are running. Returns (texts, late's events)."""
 
     async def run():
-        broken = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
-        object.__setattr__(broken, "top_k", "not a number")  # sampling this row raises TypeError
-        stream = server.engine.submit(server.tokenizer.encode("broken"), broken)
-        client = server.async_client()
-        others = [
-            client.completions.create(
-                model=MODEL,
-                prompt=PROMPTS_8[i],
-                max_tokens=12,
-                temperature=0,
-                extra_body={"ignore_eos": True},
+        client = live.async_client()
+        tasks = [
+            asyncio.ensure_future(
+                client.completions.create(
+                    model=MODEL,
+                    prompt=PROMPTS_8[i],
+                    max_tokens=40,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
             )
             for i in range(4)
         ]
+        events = None
         try:
-            events = [e async for e in stream]
-            answers = await asyncio.gather(*others)
+            if late is not None:
+                deadline = time.monotonic() + 20
+                while live.engine.stats()["running"] < 4:
+                    assert time.monotonic() < deadline, "the four requests did not start"
+                    await asyncio.sleep(0.002)
+                events = [e async for e in live.engine.submit(live.tokenizer.encode("late"), late)]
+            answers = await asyncio.gather(*tasks)
         finally:
             await client.close()
-        return events, [a.choices[0].text for a in answers]
+        return [a.choices[0].text for a in answers], events
 
-    events, texts = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_request_that_fails_in_the_step_ends_alone(server):
+    """A request whose own processing raises inside the engine step (here: sampling parameters broken
+    after validation, as a bug would) ends with an error; the batch it joined finishes unchanged."""
+    from moetide.engine.sampling import SamplingParams
+
+    errors_before = server.metric("moetide_engine_step_errors_total")
+    alone, _ = _four_running(server)
+    broken = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    object.__setattr__(broken, "top_k", "not a number")  # sampling this row raises TypeError
+    texts, events = _four_running(server, late=broken)
     assert events[-1].finish_reason == "error" and "sampling failed: TypeError" in events[-1].error
-    assert texts == _eight_concurrent(server, poisoned=None)[:4]
-    assert server.metric("moetide_engine_step_errors_total") == 0
+    assert texts == alone
+    assert server.metric("moetide_engine_step_errors_total") == errors_before
     still_serves(server)
 
 
