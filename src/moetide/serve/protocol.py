@@ -59,6 +59,11 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def _refuse_lone_surrogates(texts: list[str]) -> None:
+    if any(_LONE_SURROGATE.search(text) for text in texts):
+        raise ValueError("contains a lone UTF-16 surrogate, which is not valid Unicode text")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -157,9 +162,9 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _no_lone_surrogate(cls, value):
-        texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
-        if any(_LONE_SURROGATE.search(text) for text in texts):
-            raise ValueError("contains a lone UTF-16 surrogate, which is not valid Unicode text")
+        _refuse_lone_surrogates(
+            [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
+        )
         return value
 
     def check_supported(self) -> None:
@@ -201,9 +206,7 @@ class ChatMessage(_Request):
     @field_validator("content")
     @classmethod
     def _no_lone_surrogate(cls, value):
-        texts = [value] if isinstance(value, str) else [p.text for p in value or ()]
-        if any(_LONE_SURROGATE.search(text) for text in texts):
-            raise ValueError("contains a lone UTF-16 surrogate, which is not valid Unicode text")
+        _refuse_lone_surrogates([value] if isinstance(value, str) else [p.text for p in value or ()])
         return value
 
     def text(self) -> str:
