@@ -119,6 +119,7 @@ def test_sigterm_finishes_what_it_can_and_aborts_the_rest_with_done(long_context
         long_context_checkpoint, "--drain-timeout", "3", "--quiet", env={"MOETIDE_API_KEY": key}
     )
     try:
+        assert "warning" not in server.output  # a key is set (and the host is loopback)
         assert httpx.get(f"{server.url}/health").status_code == 200  # open without the key
         assert httpx.get(f"{server.url}/v1/models").status_code == 401
         auth = {"Authorization": f"Bearer {key}"}
