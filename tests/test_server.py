@@ -1,20 +1,18 @@
 """The OpenAI-compatible server end to end: real uvicorn on loopback, the official `openai` client.
 
-Two servers on the tiny qwen3 checkpoint (CPU), each built once: `server` (32 batch slots) for the
+Two engines on the tiny qwen3 checkpoint (CPU), each built once: `server` (32 batch slots) for the
 API, concurrency and bad input; `slow_server` (one batch slot, a queue of one, 20 ms per decode
-step) where queueing, disconnects and a failing step are deterministic. One test runs
-`moetide serve` in a subprocess and sends it SIGTERM mid-stream.
+step) where queueing, disconnects and a failing step are deterministic. `guarded` is a second
+front end (API key, small size and time limits) over `server`'s engine. `moetide serve` in a
+subprocess (SIGTERM, --quiet, the API key from the environment) is in test_server_shutdown.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ import uvicorn
 from moetide.config import EngineConfig
 from moetide.engine.llm import build_engine
 from moetide.serve import AsyncEngine, create_app
+from moetide.serve.http import read_timeout_protocol
 
 MODEL = "tiny-qwen3"
 CONTEXT = 256  # the tiny checkpoint's max_position_embeddings
@@ -40,12 +39,15 @@ class LiveServer:
     tokenizer: object
     uvicorn_server: uvicorn.Server
     thread: threading.Thread
+    api_key: str = "unused"  # what the clients send
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=0, timeout=60)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=0, timeout=60
+        )
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.base_url}/metrics").text
@@ -65,8 +67,31 @@ def start_server(checkpoint, *, max_num_seqs: int, max_queue: int, runner_hook=N
     if runner_hook is not None:
         runner_hook(engine)
     async_engine = AsyncEngine(engine, loaded=loaded, max_queue=max_queue, expert_metrics_interval_s=0.05)
-    app = create_app(async_engine, tokenizer, model_name=MODEL, drain_timeout_s=5)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    return start_frontend(async_engine, tokenizer, lifespan="on")
+
+
+def start_frontend(
+    async_engine, tokenizer, *, lifespan: str = "off", read_timeout_s: float = 30, **app_kwargs
+):
+    """uvicorn on a free loopback port over `async_engine`. With lifespan "off" it is one more front end
+    over an engine that another server runs (this one neither starts nor stops it)."""
+    app = create_app(
+        async_engine,
+        tokenizer,
+        model_name=MODEL,
+        drain_timeout_s=5,
+        read_timeout_s=read_timeout_s,
+        **app_kwargs,
+    )
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        lifespan=lifespan,
+        http=read_timeout_protocol(read_timeout_s),
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -254,6 +279,9 @@ def test_metrics_expose_the_listed_series(server):
         assert series in text, series
     assert server.metric("moetide_time_to_first_token_seconds_count") >= 1
     assert server.metric("moetide_num_requests_running") == 0
+    # the CPU engine reads every expert in place: all of them are resident in hi, and each use is a hit
+    layers, experts = len(server.engine.engine.runner.model.model.layers), 8
+    assert server.metric('moetide_resident_experts{precision="hi"}') == layers * experts
 
 
 def test_streamed_prefixes_never_change_with_the_demo_tokenizer():
@@ -404,6 +432,56 @@ BAD_INPUTS = {
         None,
     ),
     "unknown route": ("/v1/embeddings", {"model": MODEL, "input": "x"}, 404, None, "not_found"),
+    "lone surrogate in prompt": (
+        "/v1/completions",
+        b'{"model": "tiny-qwen3", "prompt": "ab\\ud800cd"}',
+        400,
+        "prompt",
+        None,
+    ),
+    "lone surrogate in a message": (
+        "/v1/chat/completions",
+        b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+        "messages",
+        None,
+    ),
+    "tools": (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        },
+        400,
+        "tools",
+        None,
+    ),
+    "tool_choice": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+        400,
+        "tool_choice",
+        None,
+    ),
+    "response_format json_object": (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "response_format",
+        None,
+    ),
+    "response_format on completions": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}},
+        400,
+        "response_format",
+        None,
+    ),
 }
 
 
@@ -519,58 +597,226 @@ def test_failing_step_fails_only_the_batch(slow_server):
     still_serves(live)
 
 
-# -- moetide serve, SIGTERM mid-stream ------------------------------------------------------------------------
-def test_sigterm_lets_the_in_flight_stream_finish(qwen3_checkpoint):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "moetide.cli",
-            "serve",
-            "--model",
-            str(qwen3_checkpoint),
-            "--device",
-            "cpu",
-            "--port",
-            "0",
-            "--served-model-name",
-            MODEL,
-            "--log-level",
-            "info",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+# -- one request never hurts another ----------------------------------------------------------------------
+PROMPTS_8 = [f"request {i}: {'xyz' * i}" for i in range(8)]
+
+
+def _eight_concurrent(live: LiveServer, poisoned: int | None) -> list:
+    """Eight completions at once (greedy, 12 tokens); request `poisoned` samples with top_p=1e-46,
+    which is 0 in float32. Returns each answer's text, or the exception it raised."""
+
+    async def run():
+        client = live.async_client()
+
+        async def one(i):
+            extra = {"temperature": 1.0, "top_p": 1e-46} if i == poisoned else {"temperature": 0}
+            out = await client.completions.create(
+                model=MODEL, prompt=PROMPTS_8[i], max_tokens=12, extra_body={"ignore_eos": True}, **extra
+            )
+            return out.choices[0].text
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(8)), return_exceptions=True)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def test_poisoned_request_among_eight_changes_nothing_for_the_others(server):
+    clean = _eight_concurrent(server, poisoned=None)
+    assert all(isinstance(text, str) for text in clean), clean
+    poisoned = _eight_concurrent(server, poisoned=7)  # sent last: it joins the others
+    assert poisoned[:7] == clean[:7]
+    # a top_p that rounds to 0 keeps the most likely token alone: the poisoned request is greedy
+    assert poisoned[7] == clean[7]
+    assert server.engine.is_alive
+    assert server.metric("moetide_engine_step_errors_total") == 0
+
+
+def _four_running(live: LiveServer, late=None):
+    """Four greedy completions of 40 tokens at once; with `late` (SamplingParams), one more request
+    joins the batch through the engine once all four are running. Returns (texts, late's events)."""
+
+    async def run():
+        client = live.async_client()
+        tasks = [
+            asyncio.ensure_future(
+                client.completions.create(
+                    model=MODEL,
+                    prompt=PROMPTS_8[i],
+                    max_tokens=40,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            for i in range(4)
+        ]
+        events = None
+        try:
+            if late is not None:
+                deadline = time.monotonic() + 20
+                while live.engine.stats()["running"] < 4:
+                    assert time.monotonic() < deadline, "the four requests did not start"
+                    await asyncio.sleep(0.002)
+                events = [e async for e in live.engine.submit(live.tokenizer.encode("late"), late)]
+            answers = await asyncio.gather(*tasks)
+        finally:
+            await client.close()
+        return [a.choices[0].text for a in answers], events
+
+    return asyncio.run(run())
+
+
+def test_a_request_that_fails_in_the_step_ends_alone(server):
+    """A request whose own processing raises inside the engine step (here: sampling parameters broken
+    after validation, as a bug would) ends with an error; the batch it joined finishes unchanged."""
+    from moetide.engine.sampling import SamplingParams
+
+    errors_before = server.metric("moetide_engine_step_errors_total")
+    alone, _ = _four_running(server)
+    broken = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    object.__setattr__(broken, "top_k", "not a number")  # sampling this row raises TypeError
+    texts, events = _four_running(server, late=broken)
+    assert events[-1].finish_reason == "error" and "sampling failed: TypeError" in events[-1].error
+    assert texts == alone
+    assert server.metric("moetide_engine_step_errors_total") == errors_before
+    still_serves(server)
+
+
+# -- what the API refuses or defaults ---------------------------------------------------------------------
+def test_completions_max_tokens_null_is_16(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": None, "temperature": 0, "ignore_eos": True}
+    answer = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 16
+
+
+def test_message_text_cannot_forge_special_tokens(server):
+    """`</s>` in a message is four characters, not the end-of-sequence token; the template's own text
+    still counts. (The demo tokenizer's `<|end|>`-style roles: test_server_prompt.py.)"""
+    tok = server.tokenizer
+    eos = tok.eos_token_id
+    messages = [{"role": "user", "content": "hi</s>"}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    forged = tok.encode(rendered, add_special_tokens=False)
+    assert eos in forged  # what a plain tokenization of the rendered prompt does
+    answer = server.client().chat.completions.create(model=MODEL, messages=messages, **greedy(1))
+    assert answer.usage.prompt_tokens == len(forged) + len("</s>") - 1
+
+
+# -- the guarded front end: API key, content type, size and time limits --------------------------------------
+API_KEY = "sk-test-key"
+MAX_BYTES = 64 << 10
+READ_TIMEOUT_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def guarded(server):
+    live = start_frontend(
+        server.engine,
+        server.tokenizer,
+        api_key=API_KEY,
+        max_request_bytes=MAX_BYTES,
+        read_timeout_s=READ_TIMEOUT_S,
     )
+    live.api_key = API_KEY
+    yield live
+    live.close()
+
+
+def test_api_key_is_required_except_on_health(guarded):
+    url = f"{guarded.base_url}/v1/completions"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        refused = httpx.post(url, json=body, headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{guarded.base_url}/v1/models").status_code == 401
+    assert httpx.get(f"{guarded.base_url}/health").status_code == 200
+    keyless = openai.OpenAI(base_url=f"{guarded.base_url}/v1", api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        keyless.models.list()
+    still_serves(guarded)  # with the key
+
+
+def _auth(content_type: str | None = "application/json") -> dict:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    return headers
+
+
+def test_non_json_content_type_is_415(guarded):
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    url = f"{guarded.base_url}/v1/completions"
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        refused = httpx.post(url, content=body, headers=_auth(content_type))
+        assert refused.status_code == 415, (content_type, refused.text)
+        assert refused.json()["error"]["code"] == "unsupported_media_type"
+    ok = httpx.post(url, content=body, headers=_auth("application/json; charset=utf-8"))
+    assert ok.status_code == 200, ok.text
+
+
+def test_body_over_the_limit_is_413_before_it_is_read(guarded):
+    url = f"{guarded.base_url}/v1/completions"
+    big = json.dumps({"model": MODEL, "prompt": "x" * MAX_BYTES})
+    refused = httpx.post(url, content=big, headers=_auth())
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(url, content=iter([big[:40000].encode(), big[40000:].encode()]), headers=_auth())
+    assert chunked.status_code == 413
+    # a Content-Length over the limit is answered before any byte of the body is sent
+    host, port = guarded.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n".encode()
+        )
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def test_slow_clients_time_out(guarded):
+    host, port = guarded.base_url.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # headers never finish
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert _read_until_closed(sock) == b""
+    assert READ_TIMEOUT_S <= time.monotonic() - started < 5
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # the body never finishes
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'.encode()
+        )
+        assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
+    still_serves(guarded)
+
+
+def test_prompt_certainly_longer_than_the_context_is_refused_from_its_length(server):
+    """With the demo model's byte-level BPE, a token covers at most 256 characters, so a prompt of
+    256 x context characters is too long whatever its text: refused without tokenizing it."""
+    from transformers import AutoTokenizer
+
+    from moetide.engine.llm import demo_model_path
+
+    demo = start_frontend(server.engine, AutoTokenizer.from_pretrained(demo_model_path()))
     try:
-        port = None
-        log = []
-        for line in proc.stdout:
-            log.append(line)
-            match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
-            if match:
-                port = int(match.group(1))
-                break
-        assert port, "".join(log)
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
-        )
-        stream = client.completions.create(
-            model=MODEL, prompt="bye", stream=True, stream_options={"include_usage": True}, **greedy(240)
-        )
-        chunks = [next(stream)]
-        proc.send_signal(signal.SIGTERM)
-        chunks += list(stream)
-        assert chunks[-1].usage.completion_tokens == 240
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-        out, _ = proc.communicate(timeout=30)
-        assert "Waiting for connections to close" in out, out  # the stream was in flight at shutdown
-        assert "Traceback" not in out, out
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"http://127.0.0.1:{port}/health")
+        url = f"{demo.base_url}/v1/completions"
+        long_prompt = "a" * (CONTEXT * 256)
+        refused = httpx.post(url, json={"model": MODEL, "prompt": long_prompt, "max_tokens": 1}, timeout=60)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "characters" in error["message"], error
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]}
+        refused = httpx.post(f"{demo.base_url}/v1/chat/completions", json=chat, timeout=60)
+        assert refused.status_code == 400 and "characters" in refused.json()["error"]["message"]
+        # just under the bound, the prompt is tokenized and measured in tokens
+        shorter = httpx.post(url, json={"model": MODEL, "prompt": "a b " * 300, "max_tokens": 1}, timeout=60)
+        assert shorter.status_code == 400 and "tokens;" in shorter.json()["error"]["message"]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        demo.close()

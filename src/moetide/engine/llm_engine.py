@@ -178,14 +178,12 @@ class LLMEngine:
         self._drop_finished()
         if self.running:
             logits = self.runner.decode(self.batch, self._last_tokens)
-            self._last_tokens = sample_next_tokens(
-                logits, [s.params for s in self.running], [s.generator for s in self.running]
-            )
+            self._last_tokens = self._sample(self.running, logits)
             outputs += self._postprocess(self.running, self._last_tokens)
         admitted = self._admit()
         if admitted:
             cache, logits = self.runner.prefill(admitted)
-            tokens = sample_next_tokens(logits, [s.params for s in admitted], [s.generator for s in admitted])
+            tokens = self._sample(admitted, logits)
             if self.batch is None:
                 self.batch, self._last_tokens = cache, tokens
             else:
@@ -197,14 +195,26 @@ class LLMEngine:
             outputs += self._postprocess(admitted, tokens)
         return outputs
 
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """`logits (B, V)` -> `(B,)` next tokens. A row whose sampling raises fails its sequence alone."""
+        errors: list[tuple[int, Exception]] = []
+        tokens = sample_next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs], errors)
+        for i, exc in errors:
+            _fail(seqs[i], "sampling", exc)
+        return tokens
+
     def _postprocess(self, seqs: list[Sequence], tokens: torch.Tensor) -> list[StepOutput]:
         now = time.perf_counter()
         out = []
         for seq, tok in zip(seqs, tokens.tolist(), strict=True):  # NOTE: host sync, once per step
-            if seq.finished:  # aborted while in flight: its row leaves at the next step
+            if seq.finished:  # aborted or failed while in flight: its row leaves at the next step
                 continue
             before = len(seq.output_ids)
-            done = self._append_token(seq, tok, now)
+            try:
+                done = self._append_token(seq, tok, now)
+            except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer: this sequence's own failure
+                _fail(seq, "postprocessing", exc)
+                done = True
             out.append(StepOutput(seq, seq.output_ids[before:], done))
         return out
 
@@ -221,3 +231,9 @@ class LLMEngine:
         self._last_tokens = self._last_tokens.index_select(
             0, torch.tensor(keep, device=self._last_tokens.device)
         )
+
+
+def _fail(seq: Sequence, stage: str, exc: Exception) -> None:
+    """End one sequence with finish_reason "error"; the others of the batch carry on."""
+    seq.error = f"{stage} failed: {type(exc).__name__}: {exc}"
+    seq.finish("error")

@@ -29,7 +29,8 @@ class Sequence:
     request_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why it failed, with finish_reason "error"
     text: str = ""  # decoded output, cut at a stop string
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None

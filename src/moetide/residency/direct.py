@@ -87,7 +87,10 @@ class DirectResidency:
         return self._table[0][layer], self._table[1][layer]
 
     def resident_counts(self) -> dict[str, int]:
-        return {}
+        """On the CPU the store is the device memory, so every expert is resident in hi (and each use
+        is counted as a hit); on a GPU nothing stays between steps."""
+        hi = self.store.num_layers * self.store.num_experts if self.device_type == "cpu" else 0
+        return {"hi": hi, "lo": 0}
 
     def close(self) -> None:
         pass

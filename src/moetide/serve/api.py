@@ -6,9 +6,12 @@
     GET  /health                200 while the engine thread serves, 503 otherwise
     GET  /metrics               Prometheus text format
 
-Every 4xx/5xx answer has the OpenAI error body `{"error": {"message", "type", "param", "code"}}`.
-Handlers never block the event loop: tokenization runs in the thread pool and generation on the
-engine thread; a client that goes away (streaming or not) aborts its sequence.
+Both POST routes take one path (`_generate`); a `_Kind` holds what differs (request type, ids,
+response builders). Every 4xx/5xx answer has the OpenAI error body
+`{"error": {"message", "type", "param", "code"}}`. `RequestGuard` (serve/http.py) checks the key,
+content type, size and read time first. Handlers never block the event loop: JSON parsing,
+validation and tokenization run in the thread pool and generation on the engine thread; a client
+that goes away (streaming or not) aborts its sequence.
 """
 
 from __future__ import annotations
@@ -16,24 +19,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError
 from .async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
+from .http import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, RequestGuard
+from .prompt import PromptEncoder
 from .protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     chat_body,
     chat_chunk,
+    chat_text_chunk,
     completion_body,
     completion_chunk,
     error_body,
@@ -47,17 +54,53 @@ log = logging.getLogger("moetide.serve")
 RETRY_AFTER_S = 1
 
 
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between the completions and chat routes; everything else is one path."""
+
+    request_type: type[CompletionRequest | ChatCompletionRequest]
+    id_prefix: str
+    body: Callable[..., dict]  # (id, model, text, finish_reason, prompt_tokens, output_tokens, created)
+    chunk: Callable[..., dict]  # (id, model, created, text | None, finish_reason, usage)
+    first_chunk: Callable[[str, str, int], dict] | None = None  # (id, model, created)
+
+
+COMPLETION = _Kind(CompletionRequest, "cmpl", completion_body, completion_chunk)
+CHAT = _Kind(
+    ChatCompletionRequest,
+    "chatcmpl",
+    chat_body,
+    chat_text_chunk,
+    lambda rid, model, created: chat_chunk(rid, model, created, {"role": "assistant", "content": ""}),
+)
+
+
 class _Server:
-    """What the handlers share: the engine, the tokenizer and the served name. One per app."""
+    """What the handlers share: the engine, the prompt encoder and the served name. One per app."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, aliases: Iterable[str]):
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer, engine.max_model_len)
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
         self.created = now_s()
 
-    # -- request checks ---------------------------------------------------------------------------------
+    # -- request checks (in the thread pool) --------------------------------------------------------------
+    def prepare(self, raw: bytes, kind: _Kind):
+        """Body bytes -> (validated request, prompt ids, max_tokens), or an `APIError`."""
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        try:
+            body = kind.request_type.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e.errors()) from None
+        self.check_model(body.model)
+        body.check_supported()
+        prompt_ids = body.encode(self.encoder)
+        return body, prompt_ids, self.resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), body)
+
     def check_model(self, name: str) -> None:
         if name not in self.accepted_names:
             raise APIError(
@@ -67,36 +110,17 @@ class _Server:
                 code="model_not_found",
             )
 
-    def encode_prompt(self, prompt) -> list[int]:
-        """`prompt` as the completions API allows it -> token ids. Runs in the thread pool."""
-        if isinstance(prompt, list):
-            prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        return list(prompt)
-
-    def encode_chat(self, request: ChatCompletionRequest) -> list[int]:
-        """Messages -> token ids through the checkpoint's chat template. Runs in the thread pool."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. roles must alternate)
-            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def resolve_max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int, body) -> int:
         """Validate the prompt length and `max_tokens` against the context; None = the rest of it."""
         context = self.engine.max_model_len
         if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", param=prompt_param)
+            raise APIError(400, "the prompt is empty", param=body.prompt_param)
         if prompt_len >= context:
             raise APIError(
                 400,
                 f"the prompt has {prompt_len} tokens; this model's context holds {context} tokens"
                 " (prompt + output): shorten the prompt",
-                param=prompt_param,
+                param=body.prompt_param,
                 code="context_length_exceeded",
             )
         if requested is None:
@@ -115,6 +139,7 @@ class _Server:
             )
         return requested
 
+    # -- on the event loop ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], body, max_tokens: int, request_id: str) -> RequestStream:
         try:
             params = body.sampling_params(max_tokens)
@@ -131,18 +156,6 @@ class _Server:
             raise APIError(503, str(e), type="service_unavailable", code="shutting_down") from None
         except ConfigError as e:
             raise APIError(400, str(e)) from None
-
-
-async def _parse(request: Request, model: type[BaseModel]):
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise _validation_error(e.errors()) from None
 
 
 # what a field accepts, for fields whose type is a union (pydantic reports one error per branch)
@@ -165,6 +178,8 @@ def _validation_error(errors) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
     elif first.get("type") == "model_attributes_type" or not loc:
         message = "the request body must be a JSON object"
+    elif first.get("type") == "value_error":  # our own field checks: their message is the reason
+        message = f"{'.'.join(loc)} {str(first.get('msg')).removeprefix('Value error, ')}"
     elif loc[0] in _FIELD_TYPES or (len(loc) > 2 and loc[2] in _FIELD_TYPES):
         field = loc[0] if loc[0] in _FIELD_TYPES else loc[2]
         where = field if field == loc[0] else ".".join(loc[:3])
@@ -262,6 +277,23 @@ def _sse_response(
     )
 
 
+async def _generate(request: Request, server: _Server, kind: _Kind) -> Response:
+    """The one path of both POST routes: validate and tokenize (thread pool), submit, answer."""
+    raw = await request.body()  # already read, bounded in size and time, by RequestGuard
+    body, prompt_ids, max_tokens = await run_in_threadpool(server.prepare, raw, kind)
+    request_id, created = new_id(kind.id_prefix), now_s()
+    stream = server.submit(prompt_ids, body, max_tokens, request_id)
+    if body.stream:
+
+        def chunk(text, finish_reason, usage_body=None):
+            return kind.chunk(request_id, body.model, created, text, finish_reason, usage_body)
+
+        first = kind.first_chunk(request_id, body.model, created) if kind.first_chunk else None
+        return _sse_response(server, stream, chunk, body.include_usage, first)
+    text, num_tokens, reason = await _collect(request, server, stream)
+    return JSONResponse(kind.body(request_id, body.model, text, reason, len(prompt_ids), num_tokens, created))
+
+
 def create_app(
     engine: AsyncEngine,
     tokenizer,
@@ -269,9 +301,16 @@ def create_app(
     model_name: str,
     model_aliases: Iterable[str] = (),
     drain_timeout_s: float = 30.0,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
 ) -> FastAPI:
     """The FastAPI app over an already-built engine. Startup starts the engine thread; shutdown
-    stops taking requests, lets accepted ones finish for up to `drain_timeout_s`, cancels the rest."""
+    stops taking requests, lets accepted ones finish for up to `drain_timeout_s`, cancels the rest.
+
+    `api_key`: required as `Authorization: Bearer <key>` on every route but /health (None = open).
+    `max_request_bytes` / `read_timeout_s`: larger bodies get 413, slower ones 408 (`RequestGuard`).
+    """
     server = _Server(engine, tokenizer, model_name, model_aliases)
 
     @asynccontextmanager
@@ -284,35 +323,11 @@ def create_app(
 
     app = FastAPI(title="moetide", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(
+        RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes, read_timeout_s=read_timeout_s
+    )
+    _add_error_handlers(app)
 
-    # -- errors ------------------------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = _validation_error(exc.errors())
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(
-            error_body(str(exc.detail), type=kind, code=code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in a request handler")
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}", type="internal_error"), status_code=500
-        )
-
-    # -- routes ------------------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
         if engine.accepting:
@@ -340,46 +355,40 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body: CompletionRequest = await _parse(request, CompletionRequest)
-        server.check_model(body.model)
-        body.check_supported()
-        prompt_ids = await run_in_threadpool(server.encode_prompt, body.prompt)
-        max_tokens = server.resolve_max_tokens(body.max_tokens, len(prompt_ids), "prompt")
-        request_id, created = new_id("cmpl"), now_s()
-        stream = server.submit(prompt_ids, body, max_tokens, request_id)
-        if body.stream:
-
-            def chunk(text, finish_reason, usage_body=None):
-                return completion_chunk(request_id, body.model, created, text, finish_reason, usage_body)
-
-            return _sse_response(server, stream, chunk, body.include_usage)
-        text, num_tokens, reason = await _collect(request, server, stream)
-        return JSONResponse(
-            completion_body(request_id, body.model, text, reason, len(prompt_ids), num_tokens, created)
-        )
+        return await _generate(request, server, COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        server.check_model(body.model)
-        body.check_supported()
-        prompt_ids = await run_in_threadpool(server.encode_chat, body)
-        max_tokens = server.resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), "messages")
-        request_id, created = new_id("chatcmpl"), now_s()
-        stream = server.submit(prompt_ids, body, max_tokens, request_id)
-        if body.stream:
-
-            def chunk(text, finish_reason, usage_body=None):
-                if text is None:
-                    return chat_chunk(request_id, body.model, created, None, None, usage_body)
-                delta = {"content": text} if text else {}
-                return chat_chunk(request_id, body.model, created, delta, finish_reason)
-
-            first = chat_chunk(request_id, body.model, created, {"role": "assistant", "content": ""})
-            return _sse_response(server, stream, chunk, body.include_usage, first=first)
-        text, num_tokens, reason = await _collect(request, server, stream)
-        return JSONResponse(
-            chat_body(request_id, body.model, text, reason, len(prompt_ids), num_tokens, created)
-        )
+        return await _generate(request, server, CHAT)
 
     return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the framework's, answered with the OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc.errors())
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), type=kind, code=code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in a request handler")
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", type="internal_error"), status_code=500
+        )

@@ -165,6 +165,13 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
 
+    def cancel_all(self) -> None:
+        """Refuse new requests and end every accepted one now (finish_reason "abort"); returns at once."""
+        with self._cond:
+            self._stopping = True
+            self._cancel = True
+            self._cond.notify()
+
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Graceful stop: let accepted requests finish for up to `drain_timeout_s`, then cancel the rest
         (their streams end with finish_reason "abort") and join the thread. Blocks; call it off the
@@ -174,9 +181,7 @@ class AsyncEngine:
             return
         self._thread.join(drain_timeout_s)
         if self._thread.is_alive():
-            with self._cond:
-                self._cancel = True
-                self._cond.notify()
+            self.cancel_all()
             self._thread.join()
 
     # -- the event loop's side ----------------------------------------------------------------------------
@@ -361,7 +366,8 @@ class AsyncEngine:
             tracked.sent_chars += len(delta)
             if seq.finished:
                 reason = seq.finish_reason or "abort"
-                event = RequestEvent(delta, new_ids, num_tokens, True, reason, tracked.error)
+                error = tracked.error or seq.error or ("internal error" if reason == "error" else None)
+                event = RequestEvent(delta, new_ids, num_tokens, True, reason, error)
                 self._observe_finished(seq, tracked.stream, reason)
                 del self._tracked[request_id]
             else:

@@ -1,19 +1,26 @@
 """`moetide serve`: the OpenAI-compatible server on uvicorn.
 
-SIGINT / SIGTERM (uvicorn's handlers): stop accepting connections, let in-flight requests finish for
-up to `--drain-timeout` seconds, cancel what is left (their sequences are aborted), stop the engine
-thread, exit. A second signal exits at once.
+SIGINT / SIGTERM: stop accepting connections and requests, let in-flight requests finish for up to
+`--drain-timeout` seconds, then abort what is left (streams end with finish_reason "abort" and
+`[DONE]`), stop the engine thread, exit. A second signal exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from pathlib import Path
 
 from ..cli import add_engine_args, engine_config_from_args
 from ..config import EngineConfig
 from ..errors import ConfigError
+from .http import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, is_loopback
+
+API_KEY_ENV = "MOETIDE_API_KEY"
+# after the drain timeout, the aborted streams get this long to send their last chunk and [DONE]
+ABORT_GRACE_S = 5
 
 
 def register_cli(subparsers) -> None:
@@ -38,7 +45,29 @@ def register_cli(subparsers) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish on shutdown before they are cancelled",
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer <key>` on every route but /health (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies are refused (413) before they are read (default: 8 MiB)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        help="seconds a client gets to send a request's headers, and then its body (default 30)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar, no access log: one line once serving, then only warnings and errors",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -51,21 +80,42 @@ def served_model_name(config: EngineConfig, requested: str | None) -> str:
     return "moetide-demo" if path == demo_model_path().resolve() else Path(config.model).name
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from ..engine.llm import build_engine
-    from .api import create_app
-    from .async_engine import AsyncEngine
-
+def _check_args(args: argparse.Namespace) -> str | None:
+    """Refuse bad options before the model loads; returns the API key (None = no authentication)."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if args.drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if args.max_queue < 1:
         raise ConfigError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if not args.read_timeout > 0:
+        raise ConfigError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise ConfigError(f"the API key (--api-key or ${API_KEY_ENV}) is empty: give a key or leave it unset")
+    return api_key
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..engine.llm import build_engine
+    from .api import create_app
+    from .async_engine import AsyncEngine
+    from .http import DrainingServer, read_timeout_protocol
+
+    api_key = _check_args(args)
+    if api_key is None and not is_loopback(args.host):
+        print(
+            f"[moetide] warning: no API key and listening on {args.host}: anyone who can reach this port"
+            f" can use the server; set --api-key or ${API_KEY_ENV}",
+            file=sys.stderr,
+            flush=True,
+        )
     config = engine_config_from_args(args)
-    loaded, engine, tokenizer = build_engine(config, progress=True)
+    loaded, engine, tokenizer = build_engine(config, progress=not args.quiet)
     async_engine = AsyncEngine(engine, loaded=loaded, max_queue=args.max_queue)
     name = served_model_name(config, args.served_model_name)
     app = create_app(
@@ -74,23 +124,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_name=name,
         model_aliases=[config.model],
         drain_timeout_s=args.drain_timeout,
+        api_key=api_key,
+        max_request_bytes=args.max_request_bytes,
+        read_timeout_s=args.read_timeout,
     )
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    log_level = "warning" if args.quiet else args.log_level
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     uv_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
-        log_level=args.log_level,
+        log_level=log_level,
+        access_log=not args.quiet,
         lifespan="on",
-        timeout_graceful_shutdown=max(1, round(args.drain_timeout)),
+        http=read_timeout_protocol(args.read_timeout),
+        timeout_graceful_shutdown=int(args.drain_timeout) + ABORT_GRACE_S,
     )
-    print(
-        f"[moetide] serving {name!r} on http://{args.host}:{args.port}/v1 "
-        f"(max {engine.max_num_seqs} sequences, context {engine.max_model_len} tokens)",
-        flush=True,
-    )
+    banner = f"{name!r} (max {engine.max_num_seqs} sequences, context {engine.max_model_len} tokens)"
     try:
-        uvicorn.Server(uv_config).run()  # handles SIGINT/SIGTERM; the app's lifespan stops the engine
+        DrainingServer(uv_config, async_engine, args.drain_timeout, banner).run()
     finally:
         async_engine.stop(drain_timeout_s=0)  # no-op after a clean lifespan shutdown
         loaded.runtime.residency.close()

@@ -7,17 +7,24 @@ OpenAI API does. Extensions beyond the OpenAI API: `top_k` and `ignore_eos` (vLL
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from .prompt import PromptEncoder
+
 # Temperatures below this sample as greedy: dividing logits by a tinier one overflows float32.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions API
 MAX_SEED = 2**63 - 1
+# JSON can carry a lone UTF-16 surrogate ("\ud800"); no tokenizer can encode it
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -52,6 +59,11 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def _refuse_lone_surrogates(texts: list[str]) -> None:
+    if any(_LONE_SURROGATE.search(text) for text in texts):
+        raise ValueError("contains a lone UTF-16 surrogate, which is not valid Unicode text")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -76,9 +88,16 @@ class _SamplingFields(_Request):
     frequency_penalty: float = 0.0
     user: str | None = None  # accepted and ignored
     ignore_eos: bool = False  # extension: generate exactly max_tokens tokens
+    # not supported: present only to be refused by name rather than silently ignored
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
 
     def check_supported(self) -> None:
         """Reject what the engine does not do, naming the field (400)."""
+        self._check_unsupported_fields()
         if self.n != 1:
             raise APIError(400, "n must be 1: one choice per request is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -90,6 +109,21 @@ class _SamplingFields(_Request):
                 raise APIError(400, "stop strings must be non-empty", param="stop")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+    def _check_unsupported_fields(self) -> None:
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported: this server does not call tools", param=name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise APIError(400, f"{name} is not supported: this server does not call tools", param=name)
+        fmt = self.response_format
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise APIError(
+                400,
+                'response_format is not supported (only {"type": "text"}): the output is not constrained',
+                param="response_format",
+            )
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         temperature = self.temperature if self.temperature >= MIN_SAMPLING_TEMPERATURE else 0.0
@@ -111,12 +145,27 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`. `prompt`: a string, a list of one string, or token ids."""
 
+    prompt_param: ClassVar[str] = "prompt"
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS  # null means the default too
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_default(cls, value: int | None) -> int:
+        return DEFAULT_COMPLETION_MAX_TOKENS if value is None else value
+
+    @field_validator("prompt")
+    @classmethod
+    def _no_lone_surrogate(cls, value):
+        _refuse_lone_surrogates(
+            [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
+        )
+        return value
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -136,6 +185,13 @@ class CompletionRequest(_SamplingFields):
                     400, "send one prompt per request (a batch of prompts is not supported)", param="prompt"
                 )
 
+    @property
+    def requested_max_tokens(self) -> int:
+        return self.max_tokens
+
+    def encode(self, encoder: PromptEncoder) -> list[int]:
+        return encoder.encode_prompt(self.prompt)
+
 
 class ContentPart(_Request):
     type: Literal["text"]
@@ -147,6 +203,12 @@ class ChatMessage(_Request):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _no_lone_surrogate(cls, value):
+        _refuse_lone_surrogates([value] if isinstance(value, str) else [p.text for p in value or ()])
+        return value
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -157,6 +219,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`: `messages` go through the checkpoint's chat template."""
+
+    prompt_param: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -172,6 +236,9 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def encode(self, encoder: PromptEncoder) -> list[int]:
+        return encoder.encode_chat([{"role": m.role, "content": m.text()} for m in self.messages])
 
 
 # -- responses --------------------------------------------------------------------------------------------
@@ -247,6 +314,19 @@ def chat_body(
     return _envelope(
         request_id, "chat.completion", created, model, choices, usage(prompt_tokens, completion_tokens)
     )
+
+
+def chat_text_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str | None = None,
+    finish_reason: str | None = None,
+    usage_body: dict | None = None,
+) -> dict:
+    """A chat chunk with the signature of `completion_chunk`: text None = the usage-only chunk."""
+    delta = None if text is None else ({"content": text} if text else {})
+    return chat_chunk(request_id, model, created, delta, finish_reason, usage_body)
 
 
 def chat_chunk(
