@@ -126,7 +126,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="olmoe-1b-7b")
     ap.add_argument("--checkpoint", default="/tmp/moetide-synthetic")
-    ap.add_argument("--policies", default="no-offload,static-int4,static-int2")
+    ap.add_argument("--policies", default="no-offload,static-int4@6GiB,static-int2", help="POLICY[@BUDGET],...")
     ap.add_argument("--budget", default="4GiB", help="for every policy but no-offload")
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -141,8 +141,9 @@ def main() -> int:
               "shape": args.shape, "runs": []}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for policy in args.policies.split(","):
-        budget = None if policy == "no-offload" else args.budget
+    for spec in args.policies.split(","):
+        policy, _, own_budget = spec.partition("@")  # static-int4@6GiB: this policy's own budget
+        budget = None if policy == "no-offload" else own_budget or args.budget
         try:
             report["runs"] += bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill)
         except Exception as e:

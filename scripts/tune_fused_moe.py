@@ -79,11 +79,15 @@ def time_layer(pool: Pool, num_tokens: int, hidden: int, experts: int, top_k: in
 
 def candidates(num_tokens: int):
     if num_tokens <= 2:
-        for bn, bk, w in itertools.product((16, 32, 64), (64, 128, 256), (2, 4)):
-            yield KernelConfig(1, bn, bk, w, 2)
-    ms = (16, 32) if num_tokens <= 64 else (32, 64, 128)
-    for bm, bn, bk, w, s in itertools.product(ms, (32, 64, 128), (64, 128), (4, 8), (2, 3)):
-        yield KernelConfig(bm, bn, bk, w, s)
+        for bn, bk in itertools.product((16, 32, 64), (128, 256)):
+            yield KernelConfig(1, bn, bk, 4, 2)
+        return
+    if num_tokens <= 64:
+        for bn, bk, s in itertools.product((32, 64, 128), (64, 128), (2, 3)):
+            yield KernelConfig(16, bn, bk, 4, s)
+        return
+    for bm, bn, w in itertools.product((32, 64), (64, 128), (4, 8)):
+        yield KernelConfig(bm, bn, 64, w, 3)
 
 
 def main() -> int:

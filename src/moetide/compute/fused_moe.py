@@ -18,9 +18,9 @@ Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed 
   reduce    out = y.view(T, k, H).sum(1): deterministic, no atomics.
 
 Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
-tiles are unpacked in registers (`(byte >> shift) & mask`, one code per element, as in vLLM's
-gptq/awq kernel), scaled by their group's float16 scale and offset, rounded to the activation
-dtype and fed to `tl.dot`. gate_up and down each carry their own format, so one expert version may
+tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
+gptq/awq kernel), each bit field dotted with its strided slice of the activations, scaled by the
+group's float16 scale and offset and rounded to the activation dtype first (`_tile_product`). gate_up and down each carry their own format, so one expert version may
 hold int2 gate_up with int4 down. Mixed precision inside a layer costs one launch pair per pool over
 the same sorted blocks (the alternative, one launch with a per-block format, would compile every
 format pair into one kernel; see BENCHMARKS.md for the measurement).
@@ -42,7 +42,11 @@ from .slot_table import MatrixFormat, Pool
 
 
 @triton.jit
-def _weight_tile(
+def _tile_product(
+    a_ptr,
+    a_rows,
+    stride_a,
+    a_mask,
     data_ptr,
     param_ptr,
     row,
@@ -57,41 +61,53 @@ def _weight_tile(
     K: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """W^T tile (BLOCK_K, BLOCK_N) of the matrix W (N, K) in pool row `row`, in OUT_DTYPE.
+    """a[a_rows, k0 : k0 + BLOCK_K] @ W[offs_n, k0 : k0 + BLOCK_K]^T -> (BLOCK_M, BLOCK_N) float32,
+    W (N, K) being one matrix of pool row `row`.
 
     Dense (BITS >= 8): W row-major at `data_off` elements. Packed: codes row-major at `data_off`
     bytes, K // (8 // BITS) bytes per row, element k at bits (k % per_byte) * BITS of byte
-    k // per_byte; float16 scale/offset (N, K // GROUP) at `scale_off` / `offset_off`."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_k < K)[:, None] & n_mask[None, :]
+    k // per_byte; float16 scale/offset (N, K // GROUP) at `scale_off` / `offset_off` elements.
+    A packed tile is loaded as whole bytes (contiguous along K, so the loads are wide) and never
+    interleaved back into K order: field f of every byte holds the elements k0 + j * per_byte + f,
+    so it is dotted with that strided slice of `a` (int4: two dots per tile, int2: four). The tile
+    lies inside one group (GROUP % BLOCK_K == 0): one scale and offset per column. Dequantized
+    weights are rounded to a's dtype before the dot, as the reference's weights are."""
+    dtype = a_ptr.dtype.element_ty
     if BITS >= 8:
-        ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * K + offs_k[:, None]
-        return tl.load(ptrs, mask=mask, other=0.0).to(OUT_DTYPE)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :], mask=a_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # fmt: skip
+        w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * K + offs_k[:, None]
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        return _mm(a, w.to(dtype), BLOCK_M, DOT_PRECISION)
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
+        BYTES_K: tl.constexpr = BLOCK_K // PER_BYTE
         ROW_BYTES: tl.constexpr = K // PER_BYTE
-        ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES + (offs_k // PER_BYTE)[:, None]
-        packed = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-        codes = (packed >> ((offs_k % PER_BYTE) * BITS)[:, None]) & ((1 << BITS) - 1)
-        GROUPS: tl.constexpr = K // GROUP
-        params = param_ptr + row * row_param
-        if GROUP % BLOCK_K == 0:  # the tile lies in one group: one scale and offset per column
-            idx = offs_n * GROUPS + k0 // GROUP
-            scale = tl.load(params + scale_off + idx, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            offset = tl.load(params + offset_off + idx, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        else:
-            idx = offs_n[None, :] * GROUPS + (offs_k // GROUP)[:, None]
-            scale = tl.load(params + scale_off + idx, mask=mask, other=0.0).to(tl.float32)
-            offset = tl.load(params + offset_off + idx, mask=mask, other=0.0).to(tl.float32)
-        return (codes.to(tl.float32) * scale + offset).to(OUT_DTYPE)
+        offs_b = k0 // PER_BYTE + tl.arange(0, BYTES_K)
+        b_mask = offs_b < ROW_BYTES
+        w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES + offs_b[:, None]
+        packed = tl.load(w_ptrs, mask=b_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)  # (BYTES_K, N)
+        params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
+        scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+        for f in tl.static_range(PER_BYTE):
+            a = tl.load(a_ptr + a_rows[:, None] * stride_a + (offs_b * PER_BYTE + f)[None, :],
+                        mask=a_mask[:, None] & b_mask[None, :], other=0.0)  # fmt: skip
+            codes = ((packed >> (f * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            acc += _mm(a, (codes * scale + offset).to(dtype), BLOCK_M, DOT_PRECISION)
+        return acc
 
 
 # Triton's interpreter (CPU tests) computes tl.dot of bf16 operands wrongly (triton 3.9: errors of
 # 1e10 on a 16x16 product); there the operands are widened first, which is exact for bf16/fp16.
-_WIDEN_DOT = os.environ.get("TRITON_INTERPRET") == "1"
+_WIDEN_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -99,6 +115,8 @@ def _mm(a, b, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """a (BLOCK_M, BLOCK_K) @ b (BLOCK_K, BLOCK_N) -> float32; BLOCK_M == 1 is a GEMV (no tl.dot)."""
     if BLOCK_M == 1:
         return tl.sum(a.to(tl.float32).reshape(a.shape[1], 1) * b.to(tl.float32), axis=0)[None, :]
+    elif a.shape[1] < 16:  # tl.dot needs K >= 16 (packed tiles of small groups): broadcast and reduce
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     elif _WIDEN_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
     else:
@@ -160,19 +178,12 @@ def _gate_up_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
         for k0 in range(0, HIDDEN, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(
-                x_ptr + token[:, None] * stride_x + offs_k[None, :],
-                mask=m_mask[:, None] & (offs_k < HIDDEN)[None, :],
-                other=0.0,
-            )
-            w_gate = _weight_tile(data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off,
-                                  offset_off, offs_n, n_mask, k0, HIDDEN, BITS, GROUP, BLOCK_K, dtype)  # fmt: skip
-            w_up = _weight_tile(data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off,
-                                offset_off, offs_n + INTER, n_mask, k0, HIDDEN, BITS, GROUP, BLOCK_K,
-                                dtype)  # fmt: skip
-            acc_gate += _mm(x, w_gate, BLOCK_M, DOT_PRECISION)
-            acc_up += _mm(x, w_up, BLOCK_M, DOT_PRECISION)
+            acc_gate += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
+                                      row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, HIDDEN,
+                                      BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            acc_up += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
+                                    row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask, k0,
+                                    HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
         h_ptrs = h_ptr + offs_m[:, None] * INTER + offs_n[None, :]
         tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
@@ -213,17 +224,10 @@ def _down_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < HIDDEN
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        dtype = h_ptr.dtype.element_ty
         for k0 in range(0, INTER, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            h = tl.load(
-                h_ptr + offs_m[:, None] * INTER + offs_k[None, :],
-                mask=m_mask[:, None] & (offs_k < INTER)[None, :],
-                other=0.0,
-            )
-            w = _weight_tile(data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off,
-                             offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP, BLOCK_K, dtype)  # fmt: skip
-            acc += _mm(h, w, BLOCK_M, DOT_PRECISION)
+            acc += _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param,
+                                 data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP,
+                                 BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
         weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
         y_ptrs = y_ptr + pair[:, None] * HIDDEN + offs_n[None, :]
         tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
