@@ -58,11 +58,11 @@ def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
     return {"prefill_s": decode_start - t0, "decode_tok_s": decoded / (end - decode_start)}
 
 
-def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len) -> list[dict]:
+def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, compile_mode="off") -> list[dict]:
     free()
     t0 = time.perf_counter()
     llm = moetide.LLM(str(path), policy=policy, gpu_memory=budget, max_num_seqs=max(batch_sizes),
-                      max_model_len=max(prefill_len + 8, 256))  # fmt: skip
+                      max_model_len=max(prefill_len + 8, 256), compile=compile_mode)  # fmt: skip
     load_s = time.perf_counter() - t0
     vocab = llm.loaded.config.vocab_size
     rows = []
@@ -70,10 +70,12 @@ def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len) ->
         timed_generate(llm, prompts(vocab, b, 32, seed=b), new_tokens)  # warm-up: captures, compiles
         llm.metrics.reset()
         r = timed_generate(llm, prompts(vocab, b, 32, seed=100 + b), new_tokens)
+        graphs = llm.engine.runner.graph_stats()
         rows.append({"engine": "moetide", "policy": policy, "gpu_memory": budget, "batch": b, "load_s": load_s,
-                     "host_syncs": llm.metrics.host_syncs, **r,
-                     "graphs": llm.engine.runner.graph_stats()})  # fmt: skip
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "graphs"}), flush=True)
+                     "compile": compile_mode, "host_syncs": llm.metrics.host_syncs, **r, "graphs": graphs})  # fmt: skip
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "graphs"}),
+              "graph failure:" if graphs and graphs.get("failed") else "", (graphs or {}).get("failed") or "",
+              flush=True)  # fmt: skip
     if prefill_len:
         long = prompts(vocab, 1, prefill_len, seed=7)
         timed_generate(llm, long, 2)
@@ -131,6 +133,7 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the TTFT run (0: none)")
+    ap.add_argument("--compile", default="off", help="comma-separated of auto,off: each policy once per setting")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     ckpt = Path(args.checkpoint) / args.shape
@@ -144,12 +147,15 @@ def main() -> int:
     for spec in args.policies.split(","):
         policy, _, own_budget = spec.partition("@")  # static-int4@6GiB: this policy's own budget
         budget = None if policy == "no-offload" else own_budget or args.budget
-        try:
-            report["runs"] += bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill)
-        except Exception as e:
-            report["runs"].append({"engine": "moetide", "policy": policy, "error": f"{type(e).__name__}: {e}"[:500]})
-            print(report["runs"][-1], flush=True)
-        out.write_text(json.dumps(report, indent=1))
+        for compile_mode in args.compile.split(","):
+            try:
+                report["runs"] += bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill,
+                                                compile_mode)  # fmt: skip
+            except Exception as e:
+                report["runs"].append({"engine": "moetide", "policy": policy, "compile": compile_mode,
+                                       "error": f"{type(e).__name__}: {e}"[:500]})  # fmt: skip
+                print(report["runs"][-1], flush=True)
+            out.write_text(json.dumps(report, indent=1))
     if not args.skip_hf:
         report["runs"] += bench_hf_static(ckpt, batch_sizes, args.new_tokens)
     out.write_text(json.dumps(report, indent=1))

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from .config import CUDA_GRAPHS, LO_KERNELS, POLICIES, SEARCHERS, EngineConfig, format_bytes, parse_bytes
+from .config import COMPILE_MODES, CUDA_GRAPHS, LO_KERNELS, POLICIES, SEARCHERS, EngineConfig, format_bytes, parse_bytes
 from .errors import MoetideError
 
 
@@ -71,6 +71,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         " from Python (off)",
     )
     p.add_argument(
+        "--compile",
+        default="off",
+        choices=COMPILE_MODES,
+        help="torch.compile each captured decode step before capturing it (auto; CUDA only), or not (off,"
+        " the default)",
+    )
+    p.add_argument(
         "--searcher",
         default="process",
         choices=SEARCHERS,
@@ -109,6 +116,7 @@ def precision_options_from_args(args) -> dict:
         else tuple(v for v in args.host_versions.split(",") if v),
         "lo_kernel": args.lo_kernel,
         "cuda_graphs": args.cuda_graphs,
+        "compile": args.compile,
         "searcher": args.searcher,
     }
 

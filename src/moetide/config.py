@@ -65,6 +65,7 @@ def format_bytes(n: float) -> str:
 
 
 CUDA_GRAPHS = ("auto", "off")
+COMPILE_MODES = ("auto", "off")  # torch.compile of the captured decode step (engine/graphed_decode.py)
 SEARCHERS = ("process", "thread")  # where FineMoE's searcher runs (policies/finemoe.py)
 
 
@@ -99,6 +100,10 @@ class EngineConfig:
             decision, i.e. no-offload, static-int4/int2 and uncapped runs whose experts all fit in hi,
             are captured once per batch shape and replayed; see engine/graphed_decode.py) or "off"
             (every step launched from Python).
+        compile: "auto" compiles each captured decode step with torch.compile (Inductor fuses the
+            non-expert elementwise work; the MoE layers stay the fused kernel; CUDA only, once per
+            batch and column bucket) before capturing it; "off" (the default, see BENCHMARKS.md for
+            the measurement) captures the eager step.
         searcher: where FineMoE's map searcher runs (finemoe, combined): "process" (the default: its
             own process, fed through shared memory; the forward thread only copies observations
             in and decisions out) or "thread" (a thread of the engine's process, which shares the
@@ -121,6 +126,7 @@ class EngineConfig:
     host_versions: tuple[str, ...] | None = None
     lo_kernel: str = "auto"
     cuda_graphs: str = "auto"
+    compile: str = "off"
     searcher: str = "process"
     extra: dict = field(default_factory=dict)
 
@@ -131,6 +137,8 @@ class EngineConfig:
             raise ConfigError(f"lo precision must be auto, int4 or int2, got {self.lo_precision!r}")
         if self.searcher not in SEARCHERS:
             raise ConfigError(f"--searcher must be one of {', '.join(SEARCHERS)}, got {self.searcher!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ConfigError(f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
         if self.on_miss not in ("stall", "lo"):

@@ -32,6 +32,7 @@ Import this module only where triton is installed; on CPU it runs under Triton's
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import triton
@@ -288,6 +289,16 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
     )
 
 
+def _fit_packed_tiles(config: KernelConfig, pools: list[Pool | None]) -> KernelConfig:
+    """tl.dot needs 16 bytes of packed codes per K-tile; groups smaller than that (tiles lie inside
+    one group) leave only the GEMV tiles (block_m 1), which take any tile width."""
+    for pool in pools:
+        for m in (pool.format.gate_up, pool.format.down) if pool is not None else ():
+            if m.packed and config.block_m > 1 and min(config.block_k, m.group_size) * m.bits // 8 < 16:
+                return replace(config, block_m=1)
+    return config
+
+
 def fused_moe(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -309,7 +320,7 @@ def fused_moe(
     inter = fmt.intermediate_size
     if fmt.hidden_size != hidden_size:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not fit the pools' H={fmt.hidden_size}")
-    config = config or config_for(num_tokens, hidden_size, inter, fmt.name)
+    config = _fit_packed_tiles(config or config_for(num_tokens, hidden_size, inter, fmt.name), pools)
     hidden = hidden.contiguous()
     sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), config.block_m)
     h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)

@@ -131,6 +131,7 @@ class GraphedDecoder:
             static-KV step eagerly (CPU tests).
         kv_cache_tokens: the engine's KV reservation; rows x columns never exceeds it.
         column_bucket: columns are the cache length rounded up to this.
+        compile_step: run the step through `torch.compile` (once per shape) before capturing it.
     """
 
     def __init__(
@@ -142,8 +143,12 @@ class GraphedDecoder:
         capture: bool,
         kv_cache_tokens: int | None = None,
         column_bucket: int = 256,
+        compile_step: bool = False,
     ):
         self.model = model
+        # Inductor fuses the non-expert elementwise work; each MoE layer is a graph break
+        # (ManagedExperts.forward is compile-disabled) and stays the fused kernel
+        self.forward = torch.compile(model, dynamic=False) if compile_step else model
         self.sync_free = sync_free
         self.sdpa_backends = sdpa_backends
         self.capture = capture
@@ -238,7 +243,7 @@ class GraphedDecoder:
             self.replays += 1
         else:
             with sdpa_kernel(self.sdpa_backends):
-                state.step(self.model)
+                state.step(self.forward)
         state.used += 1
         return state.logits.clone()
 
@@ -265,13 +270,15 @@ class GraphedDecoder:
         used, positions = state.used, state.positions.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        if self.forward is not self.model:
+            log.info("compiling the decode step for %d rows x %d columns (once per shape)", state.rows, state.columns)
         with torch.cuda.stream(side), sdpa_kernel(self.sdpa_backends):
             for _ in range(2):
-                state.step(self.model)
+                state.step(self.forward)
                 state.rewind(used, positions)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), sdpa_kernel(self.sdpa_backends):
-            state.step(self.model)
+            state.step(self.forward)
         state.graph = graph
         self.captures += 1

@@ -147,6 +147,7 @@ def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv_tokens: int | 
         ENGINE_SDPA_BACKENDS,
         capture=True,
         kv_cache_tokens=kv_tokens,
+        compile_step=config.compile == "auto",
     )
 
 
