@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 4's GPU measurement: batch-1 decode of an OLMoE-1B-7B-shaped random model (written as a
+"""GPU measurement: batch-1 decode of an OLMoE-1B-7B-shaped random model (written as a
 real checkpoint) under moetide policies at a 4 GiB budget, beside transformers fully on the GPU and
 transformers + accelerate offload at the same cap, all in one run.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 5: the FineMoE searcher's cost, on the engine, against the decode iteration time.
+"""The FineMoE searcher's cost, on the engine, against the decode iteration time.
 
 Demo model, a budget where every expert fits (so prefetches move nothing and only the policy's own
 cost differs), the map store warmed from held-out conversations 0..W-1, measured on W..W+N-1, once

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: install carried wheels, run the GPU tests, then the benchmarks named in $@.
 # Usage (device tool, carry .whl): bash scripts/gpu_run.sh tests offload server searcher bs32 eval
-# lo kernel A/B (issue 4): bash scripts/gpu_run.sh lotests lolayer lodecode
+# lo kernel A/B: bash scripts/gpu_run.sh lotests lolayer lodecode
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,7 +48,7 @@ for step in "$@"; do
                 --batch-size 32 --lo-kernel triton 2>&1 | grep "^{" ;;
     bs32dq)   timeout $(T 120) $MT bench --synthetic olmoe-1b-7b --policy combined --gpu-memory 4GiB --lo-kernel dequant \
                 --batch-size 32 --output-len 32 --max-input-len 128 --out "$OUT/bs32dq" 2>&1 | grep -v "Warn\|Loading" | tail -12 ;;
-    trace)    # issue 7's trace-driven run: held-out demo-model routing (recorded on the CPU, 48 requests x 32
+    trace)    # the trace-driven run: held-out demo-model routing (recorded on the CPU, 48 requests x 32
               # tokens, the first 16 replayed as warm-up) onto the OLMoE expert size, 25 % of the experts
               TR=/tmp/trace_heldout.safetensors
               [ -f $TR ] || timeout $(T 120) $MT bench --record-trace $TR --num-prompts 48 --output-len 32 --max-input-len 128 2>&1 | tail -1

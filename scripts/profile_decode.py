@@ -4,7 +4,7 @@
 
     python scripts/profile_decode.py --out profile.json [--policies combined,static-int2] [--batch-size 32]
 
-Diagnostic for issue 7's batch-32 result; every number it prints is for the steps it ran.
+Diagnostic for the batch-32 throughput result; every number it prints is for the steps it ran.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The formulas of issue 5, each pinned by a test that fails if the formula changes.
+"""The policy formulas, each pinned by a test that fails if the formula changes.
 
 FineMoE: delta selection, delta = clip(1 - score), RDY dedup weights, semantic / trajectory cosine.
 DynaExq: EMA, per-layer top-n_hi, hysteresis margin, rate limit ordered by gap, n_hi from budget.

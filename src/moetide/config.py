@@ -102,7 +102,7 @@ class EngineConfig:
         searcher: where FineMoE's map searcher runs (finemoe, combined): "process" (the default: its
             own process, fed through shared memory; the forward thread only copies observations
             in and decisions out) or "thread" (a thread of the engine's process, which shares the
-            GIL with the forward thread; BENCHMARKS.md section 5 compares them).
+            GIL with the forward thread; BENCHMARKS.md compares them).
     """
 
     model: str
