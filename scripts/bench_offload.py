@@ -28,7 +28,7 @@ import torch
 from moetide.bench.decode import bench_hf, bench_moetide
 from moetide.bench.synthetic import write_synthetic_checkpoint
 from moetide.config import CUDA_GRAPHS, LO_KERNELS
-from moetide.residency import POLICY_MODES
+from moetide.policies.registry import policy_spec
 
 
 def main() -> int:
@@ -110,8 +110,8 @@ def main() -> int:
                 print(f"hf {impl}: {type(e).__name__}: {e}", flush=True)
     for spec in args.policies.split(","):
         policy, _, on_miss = spec.partition(":")
-        budget = None if policy == "no-offload" else args.budget
-        mode, has_lo = POLICY_MODES.get(policy, (None, False))
+        mode, has_lo = policy_spec(policy).memory_mode, policy_spec(policy).needs_lo
+        budget = None if mode == "all-hi" else args.budget  # no offloading: the whole GPU
         kernels = lo_kernels if has_lo else ["auto"]  # the kernel only matters for lo versions
         graphs = graph_modes if mode in ("all-hi", "all-lo") else ["auto"]  # only these are ever captured
         runs = [(k, g, i) for k in kernels for g in graphs for i in range(args.repeat)]

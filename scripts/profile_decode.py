@@ -23,6 +23,7 @@ import torch
 import moetide
 from moetide.bench.decode import prompt_ids
 from moetide.bench.synthetic import write_synthetic_checkpoint
+from moetide.policies.registry import policy_spec
 
 
 def _sync() -> None:
@@ -34,7 +35,7 @@ def profile_policy(ckpt: Path, policy: str, args) -> dict:
     llm = moetide.LLM(
         str(ckpt),
         policy=policy,
-        gpu_memory=None if policy == "no-offload" else args.budget,
+        gpu_memory=None if policy_spec(policy).memory_mode == "all-hi" else args.budget,
         lo_kernel=args.lo_kernel,
         max_num_seqs=args.batch_size,
         max_model_len=args.prompt_len + 64,

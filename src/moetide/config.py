@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+from .policies.registry import POLICY_NAMES
 
 _UNITS = {
     "": 1,
@@ -26,17 +27,7 @@ _UNITS = {
     "tib": 1024**4,
 }
 
-POLICIES = (
-    "combined",
-    "finemoe",
-    "dynaexq",
-    "on-demand",
-    "lru",
-    "moe-infinity",
-    "static-int4",
-    "static-int2",
-    "no-offload",
-)
+POLICIES = POLICY_NAMES  # every --policy name, declared once in policies/registry.py
 PRECISIONS = ("hi", "int4", "int2")
 LO_KERNELS = ("auto", "dequant", "triton")
 
