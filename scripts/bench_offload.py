@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from moetide.bench.decode import bench_hf, bench_moetide
+from moetide.bench.runs import bench_hf, bench_moetide
 from moetide.bench.synthetic import write_synthetic_checkpoint
 from moetide.config import CUDA_GRAPHS, LO_KERNELS
 from moetide.policies.registry import policy_spec

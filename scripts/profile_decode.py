@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import moetide
-from moetide.bench.decode import prompt_ids
+from moetide.bench.runs import prompt_ids
 from moetide.bench.synthetic import write_synthetic_checkpoint
 from moetide.policies.registry import policy_spec
 

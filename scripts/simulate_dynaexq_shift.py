@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from moetide.policies.dynaexq import DynaExqScheduler
-from moetide.policies.simulator import TraceSimulator, VirtualClock, default_step_time
-from moetide.policies.trace import Trace
+from moetide.analysis.simulator import TraceSimulator, VirtualClock, default_step_time
+from moetide.analysis.trace import Trace
 
 
 def phase_counts(trace: Trace, start: int, end: int) -> torch.Tensor:
@@ -112,7 +112,7 @@ def windows(times, sel, hi, width_s):
 
 
 def record(args) -> tuple[Trace, int]:
-    from moetide.policies.workload import heldout_conversations, load_hf_model, record_conversations
+    from moetide.analysis.workload import heldout_conversations, load_hf_model, record_conversations
 
     model, tok, adapter = load_hf_model(args.model)
     kw = {
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         trace.save(out / "shift.trace.safetensors")
         source = f"model {args.model} (held-out code, then chat; decode={args.decode})"
     elif args.synthetic:
-        from moetide.policies.synthetic import synthetic_trace
+        from moetide.analysis.synthetic import synthetic_trace
 
         n = args.requests
         trace = synthetic_trace([0] * n + [1] * n, decode_steps=args.max_new_tokens - 1)

@@ -34,8 +34,8 @@ from moetide.policies.baselines import (
     OnDemandPolicy,
 )
 from moetide.policies.finemoe import ABLATIONS, FineMoEPolicy
-from moetide.policies.simulator import simulate
-from moetide.policies.trace import Trace
+from moetide.analysis.simulator import simulate
+from moetide.analysis.trace import Trace
 
 MAIN_POLICIES = ("on-demand", "lru", "moe-infinity", "finemoe")
 ABLATION_STEPS = ("speculate", "hit-count", "map-t", "map-ts", "map-ts-delta")
@@ -108,7 +108,7 @@ def run_job(job: dict) -> dict:
 
 
 def record_traces(args) -> tuple[Trace, Trace]:
-    from moetide.policies.workload import (
+    from moetide.analysis.workload import (
         heldout_conversations,
         load_hf_model,
         record_conversations,
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
         if args.bytes_per_expert is None:
             args.bytes_per_expert = expert_bytes_from_model(args.model)
     elif args.synthetic:
-        from moetide.policies.synthetic import synthetic_trace
+        from moetide.analysis.synthetic import synthetic_trace
 
         _WARM = synthetic_trace(
             [i % 4 for i in range(args.warm_requests)], seed=1, decode_steps=args.max_new_tokens - 1

@@ -12,9 +12,10 @@ import torch
 
 from moetide.models.registry import get_adapter
 from moetide.policies.finemoe import FineMoEPolicy
-from moetide.policies.hooks import PolicyHooks, greedy_generate
-from moetide.policies.synthetic import synthetic_trace
-from moetide.policies.trace import Trace, TraceRecorder, record_trace
+from moetide.analysis.trace import greedy_generate
+from moetide.policies.hooks import PolicyHooks
+from moetide.analysis.synthetic import synthetic_trace
+from moetide.analysis.trace import Trace, TraceRecorder, record_trace
 
 
 def tiny_qwen3_moe(num_layers: int = 3, seed: int = 0):

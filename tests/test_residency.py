@@ -390,7 +390,8 @@ def test_prepare_writes_a_cache_that_later_loads_reuse_and_a_changed_checkpoint_
 ):
     import shutil
 
-    from moetide.store.prepare import cache_file, prepare
+    from moetide.models.prepare import prepare
+    from moetide.store.prepare import cache_file
 
     path = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoints["olmoe"][0], path)

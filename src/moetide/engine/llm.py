@@ -8,8 +8,9 @@ from pathlib import Path
 from ..config import EngineConfig, parse_bytes
 from ..errors import ConfigError
 from ..models.checkpoint import inspect_checkpoint, load_tokenizer
-from ..models.loader import LoadedModel, load_model, resolve_device
+from ..models.loader import LoadedModel, resolve_device
 from ..residency import MAX_PREFILL_TOKENS
+from .assemble import load_model
 from .llm_engine import LLMEngine
 from .runner import ModelRunner
 from .sampling import SamplingParams
