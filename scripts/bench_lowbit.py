@@ -1,7 +1,5 @@
-"""Time low-bit experts on CUDA: one expert in each format, and one layer's lo experts per lo kernel.
+"""Time one layer's lo experts on CUDA per lo kernel (OLMoE-shaped by default: H=2048, I=1024).
 
-Per expert (`rows` in the JSON): bf16, dequantize + F.linear, Triton fused low-bit (the per-expert
-kernel), OLMoE-shaped by default (H=2048, I=1024), T = 1, 4, 16 tokens.
 Per layer (`layer_rows`): the routed experts of one MoE layer (64 experts, top-8, all lo-resident in a
 lo pool) through the engine's own `ExpertRuntime.run_layer`, lo_kernel "dequant" (batched dequantize
 of the chosen rows + gathered/grouped bf16 matmul, today's engine path) against "triton" (the grouped
@@ -11,10 +9,10 @@ fused kernel, `moetide.compute.lowbit_triton`), T = 1, 4, 8, int4 and int2, on t
 Times are medians in microseconds from triton.testing.do_bench (CUDA events, L2 flushed between runs,
 so weights come from HBM as they would for an expert not touched recently) and, where the path has
 no host sync, do_bench_cudagraph (launch overhead removed: the GPU time alone). `--sweep` also times a
-grid of tile configs of both Triton kernels and reports the best. Prints tables and writes JSON to
+grid of tile configs of the grouped kernel and reports the best. Prints tables and writes JSON to
 the given path after each part.
 
-    python scripts/bench_lowbit.py out/bench_lowbit.json [--sweep] [--skip-expert]
+    python scripts/bench_lowbit.py out/bench_lowbit.json [--sweep]
 """
 
 from __future__ import annotations
@@ -30,19 +28,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from moetide.store.quant import (
-    dequantize,
-    expert_forward,
-    expert_views,
-    pack_expert,
-    swiglu_expert,
-)
+from moetide.store.quant import dequantize, pack_expert
 
-TOKENS = (1, 4, 16)
 PRECISIONS = ("int4", "int2")
-SWEEP_BLOCK_N = (16, 32, 64)
-SWEEP_BLOCK_K = (32, 64)
-SWEEP_SPLIT_K = (1, 2, 4, 8)
 LAYER_TOKENS = (1, 4, 8)
 LAYER_PATHS = ("static", "dynamic")
 LO_KERNELS = ("dequant", "triton")
@@ -63,83 +51,6 @@ def time_us(fn, triton_testing, cudagraph: bool) -> float | None:
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx.float() - exact.float()).norm() / exact.float().norm())
-
-
-def bench(args: argparse.Namespace, triton_testing, device: str = "cuda") -> list[dict]:
-    """All rows; `triton_testing` is triton.testing (a stand-in lets the logic be smoke-tested on CPU)."""
-    from moetide.store import triton_lowbit
-
-    hidden, intermediate = args.hidden_size, args.intermediate_size
-    generator = torch.Generator(device=device).manual_seed(0)
-    gate_up = torch.randn(2 * intermediate, hidden, device=device, generator=generator).mul_(0.02).bfloat16()
-    down = torch.randn(hidden, intermediate, device=device, generator=generator).mul_(0.02).bfloat16()
-    versions = {p: pack_expert(gate_up, down, p) for p in ("hi", *PRECISIONS)}
-    rows = []
-    for num_tokens in TOKENS:
-        x = torch.randn(num_tokens, hidden, device=device, generator=generator).bfloat16()
-        hi_buffer, hi_meta = versions["hi"]
-        hi_views = expert_views(hi_buffer, hi_meta)
-        rows.append(measure("bf16", "F.linear", num_tokens, hi_meta.nbytes, None, triton_testing,
-                            partial(expert_forward, x, hi_views, hi_meta)))  # fmt: skip
-        for precision in PRECISIONS:
-            buffer, meta = versions[precision]
-            views = expert_views(buffer, meta)
-            reference = swiglu_expert(x, *dequantize(views, meta))
-            rows.append(measure(precision, "dequantize+F.linear", num_tokens, meta.nbytes, None, triton_testing,
-                                partial(expert_forward, x, views, meta)))  # fmt: skip
-            fused = triton_lowbit.expert_forward_lowbit(x, views, meta)
-            error = relative_error(fused, reference)
-            rows.append(measure(precision, "triton default", num_tokens, meta.nbytes, error, triton_testing,
-                                partial(triton_lowbit.expert_forward_lowbit, x, views, meta)))  # fmt: skip
-            if args.sweep:
-                rows.append(sweep(precision, num_tokens, x, views, meta, triton_lowbit, triton_testing))
-    return rows
-
-
-def measure(precision, method, num_tokens, nbytes, error, triton_testing, fn, config=None) -> dict:
-    fn()
-    events_us = time_us(fn, triton_testing, cudagraph=False)
-    graph_us = time_us(fn, triton_testing, cudagraph=True)
-    best_us = min(t for t in (events_us, graph_us) if t is not None)
-    row = {
-        "precision": precision,
-        "method": method,
-        "tokens": num_tokens,
-        "events_us": events_us,
-        "cudagraph_us": graph_us,
-        "version_bytes": nbytes,
-        # Bytes of the version read per forward over the best time: how close to HBM bandwidth.
-        "weight_gb_per_s": nbytes / best_us / 1e3,
-        "rel_err_vs_dequantize": error,
-        "config": config,
-    }
-    print(
-        f"{precision:5s} {method:24s} T={num_tokens:<3d} events {_fmt(events_us)} us  "
-        f"graph {_fmt(graph_us)} us  {row['weight_gb_per_s']:7.1f} GB/s"
-        + (f"  err {error:.1e}" if error is not None else "")
-        + (f"  {config}" if config else ""),
-        flush=True,
-    )
-    return row
-
-
-def sweep(precision, num_tokens, x, views, meta, triton_lowbit, triton_testing) -> dict:
-    """Best Triton tile config by CUDA-graph time (events time if capture fails)."""
-    best = None
-    for block_n, block_k, split_k in itertools.product(SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_SPLIT_K):
-        config = triton_lowbit.LowBitConfig(block_n=block_n, block_k=block_k, split_k=split_k)
-        try:
-            triton_lowbit.expert_forward_lowbit(x, views, meta, config)
-        except ValueError:
-            continue  # tile does not fit this shape / group size
-        fn = partial(triton_lowbit.expert_forward_lowbit, x, views, meta, config)
-        elapsed = time_us(fn, triton_testing, cudagraph=True) or time_us(fn, triton_testing, cudagraph=False)
-        if best is None or elapsed < best[0]:
-            best = (elapsed, config)
-    _, config = best
-    fn = partial(triton_lowbit.expert_forward_lowbit, x, views, meta, config)
-    return measure(precision, "triton best of sweep", num_tokens, meta.nbytes, None, triton_testing, fn,
-                   config=dataclasses.asdict(config))  # fmt: skip
 
 
 class LoPoolLayer:
@@ -285,7 +196,6 @@ def main() -> None:
     parser.add_argument("--num-experts", type=int, default=64, help="experts of the layer (lo pool rows)")
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of Triton tile configs")
-    parser.add_argument("--skip-expert", action="store_true", help="only the per-layer A/B")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_lowbit needs CUDA")
@@ -304,8 +214,6 @@ def main() -> None:
     parts = [("layer_rows", bench_layer)]  # the A/B first: it is what a short run must not lose
     if args.sweep:
         parts.append(("grouped_sweep", sweep_grouped))
-    if not args.skip_expert:
-        parts.append(("rows", bench))
     for key, run in parts:
         result[key] = run(args, triton.testing)
         with open(args.json_path, "w") as f:

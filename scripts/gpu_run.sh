@@ -25,8 +25,7 @@ for step in "$@"; do
                 tests/test_policies_trace.py -k "graph or published_after" 2>&1 | tail -150 | tee "$OUT/gpu_graph_tests.log" ;;
     lotests)  timeout $(T 120) python3 -m pytest -q -p no:cacheprovider tests/test_lowbit_triton.py tests/test_gpu.py -k "${LOTESTS_K:-grouped or lo_kernel}" 2>&1 | tail -15 | tee "$OUT/gpu_lo_tests.log" ;;
     gpupeak)  timeout $(T 40) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k peak 2>&1 | tail -3 | tee "$OUT/gpu_peak.log" ;;
-    lowbit)   timeout $(T 60) python3 scripts/bench_lowbit.py "$OUT/bench_lowbit.json" --sweep 2>&1 | tail -30 ;;
-    lolayer)  timeout $(T 150) python3 scripts/bench_lowbit.py "$OUT/bench_lowbit_layer.json" --skip-expert --sweep 2>&1 | tail -45 ;;
+    lolayer)  timeout $(T 150) python3 scripts/bench_lowbit.py "$OUT/bench_lowbit_layer.json" --sweep 2>&1 | tail -45 ;;
     lodecode) timeout $(T 200) python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo_kernel.json" \
                 --policies no-offload,static-int2,combined --lo-kernel dequant,triton 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     offload)  timeout $(T 260) python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" --cuda-graphs auto,off \

@@ -209,14 +209,6 @@ class SimulationResult:
         return self.hits / self.demands if self.demands else float("nan")
 
     @property
-    def decode_hit_rate(self) -> float:
-        return self.decode_hits / self.decode_demands if self.decode_demands else float("nan")
-
-    @property
-    def prefill_hit_rate(self) -> float:
-        return self.prefill_hits / self.prefill_demands if self.prefill_demands else float("nan")
-
-    @property
     def precision(self) -> float:
         return self.predictions_used / self.predictions if self.predictions else float("nan")
 
@@ -236,8 +228,6 @@ class SimulationResult:
         d = asdict(self)
         for name in (
             "hit_rate",
-            "decode_hit_rate",
-            "prefill_hit_rate",
             "precision",
             "recall",
             "bytes_moved",

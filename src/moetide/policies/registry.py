@@ -155,7 +155,3 @@ def policy_spec(name: str) -> PolicySpec:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICY_NAMES)}")
     return spec
 
-
-def policies_with_mode(mode: str) -> tuple[str, ...]:
-    """Names of the policies whose memory mode is `mode` (e.g. "hi-cache")."""
-    return tuple(s.name for s in POLICY_SPECS.values() if s.memory_mode == mode)
