@@ -129,7 +129,7 @@ def measure(args, searcher: str) -> dict:
             steps = timed_decode(llm, [ids], args.new_tokens)
             times[name] += steps
             per_prompt[name].append(statistics.median(steps))
-            if name == "finemoe":
+            if hooks is llm.loaded.policy_hooks:  # FineMoE's own hooks: the searcher's wall time
                 wall += time.perf_counter() - start
             if hooks is not None:
                 hook_s[name] += hooks.hook_time_s - hook_before

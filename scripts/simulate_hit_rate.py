@@ -52,34 +52,26 @@ _WARM: Trace | None = None
 _TEST: Trace | None = None
 
 
+SAME_RUN = {"speculate": "lru", "map-ts-delta": "finemoe"}  # ablation steps that are a main policy's run
+
+
 def make_policy(name: str, d: int, args):
-    if name == "on-demand":
-        return OnDemandPolicy()
-    if name in ("lru", "speculate"):
-        return LRUSpeculativePolicy(d)
-    if name == "moe-infinity":
-        return MoEInfinityPolicy(d, eamc_capacity=args.map_store_capacity)
-    if name == "hit-count":
-        return HitCountPolicy(d, eamc_capacity=args.map_store_capacity)
-    if name in ("finemoe", "map-ts-delta"):
-        return FineMoEPolicy(
-            prefetch_distance=d, map_store_capacity=args.map_store_capacity, synchronous=True
-        )
-    if name == "finemoe-lru-evict":
-        return FineMoEPolicy(
-            prefetch_distance=d,
-            map_store_capacity=args.map_store_capacity,
-            synchronous=True,
-            preferred_eviction="lru",
-        )
-    if name in ABLATIONS:
-        return FineMoEPolicy(
-            prefetch_distance=d,
-            map_store_capacity=args.map_store_capacity,
-            synchronous=True,
-            **ABLATIONS[name],
-        )
-    raise ValueError(name)
+    """The simulated policy of a main, extra or ablation name (a table: one builder per name)."""
+    cap = args.map_store_capacity
+
+    def finemoe(**kw):
+        return FineMoEPolicy(prefetch_distance=d, map_store_capacity=cap, synchronous=True, **kw)
+
+    builders = {
+        "on-demand": OnDemandPolicy,
+        "lru": lambda: LRUSpeculativePolicy(d),
+        "moe-infinity": lambda: MoEInfinityPolicy(d, eamc_capacity=cap),
+        "hit-count": lambda: HitCountPolicy(d, eamc_capacity=cap),
+        "finemoe": finemoe,
+        "finemoe-lru-evict": lambda: finemoe(preferred_eviction="lru"),
+        **{step: (lambda kw=kw: finemoe(**kw)) for step, kw in ABLATIONS.items()},
+    }
+    return builders[SAME_RUN.get(name, name)]()
 
 
 def run_job(job: dict) -> dict:
@@ -90,7 +82,7 @@ def run_job(job: dict) -> dict:
     args = argparse.Namespace(**job["args"])
     policy = make_policy(job["policy"], job["d"], args)
     t0 = time.perf_counter()
-    if hasattr(policy, "warm_up") and job["policy"] != "on-demand":
+    if hasattr(policy, "warm_up") and not isinstance(policy, OnDemandPolicy):
         policy.warm_up(_WARM)
     res = simulate(
         _TEST,
@@ -379,10 +371,7 @@ def main(argv=None) -> int:
         else:
             rows.append(r)
     for r in list(rows):  # the shared runs under their ablation names
-        if r["name"] == "lru":
-            rows.append(dict(r, name="speculate"))
-        if r["name"] == "finemoe":
-            rows.append(dict(r, name="map-ts-delta"))
+        rows.extend(dict(r, name=step) for step, main in SAME_RUN.items() if r["name"] == main)
 
     meta = {
         "source": source,
