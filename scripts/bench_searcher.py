@@ -25,10 +25,10 @@ import time
 import torch
 
 import moetide
+from moetide.analysis.trace import record_trace
 from moetide.data.sharegpt import heldout_conversations
 from moetide.policies.finemoe import FineMoEConfig, FineMoEPolicy
 from moetide.policies.hooks import PolicyHooks
-from moetide.analysis.trace import record_trace
 
 
 def user_prompts(tokenizer, convs, max_len=256):

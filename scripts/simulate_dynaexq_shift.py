@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import numpy as np
 import torch
 
-from moetide.policies.dynaexq import DynaExqScheduler
 from moetide.analysis.simulator import TraceSimulator, VirtualClock, default_step_time
 from moetide.analysis.trace import Trace
+from moetide.policies.dynaexq import DynaExqScheduler
 
 
 def phase_counts(trace: Trace, start: int, end: int) -> torch.Tensor:

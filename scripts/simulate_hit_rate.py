@@ -27,15 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from moetide.policies.baselines import (
-    HitCountPolicy,
-    LRUSpeculativePolicy,
-    MoEInfinityPolicy,
-    OnDemandPolicy,
-)
-from moetide.policies.finemoe import ABLATIONS, FineMoEPolicy
 from moetide.analysis.simulator import simulate
 from moetide.analysis.trace import Trace
+from moetide.policies.baselines import HitCountPolicy, LRUSpeculativePolicy, MoEInfinityPolicy, OnDemandPolicy
+from moetide.policies.finemoe import ABLATIONS, FineMoEPolicy
 
 MAIN_POLICIES = ("on-demand", "lru", "moe-infinity", "finemoe")
 ABLATION_STEPS = ("speculate", "hit-count", "map-t", "map-ts", "map-ts-delta")

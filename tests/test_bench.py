@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_bad_input import assert_one_line_error, run_cli
 
+from moetide.analysis.trace import record_trace
 from moetide.bench.budget import model_bytes, resolve_budget
 from moetide.bench.replay import TraceReplay, TraceReplayError, trace_geometry_overrides, trace_requests
 from moetide.bench.runs import drive_engine
@@ -22,7 +23,6 @@ from moetide.config import EngineConfig
 from moetide.engine.llm import build_engine
 from moetide.errors import ConfigError
 from moetide.models.registry import get_adapter
-from moetide.analysis.trace import record_trace
 
 RUN_FIELDS = ("summary", "metrics", "requests", "budget_bytes", "plan", "peak_gpu_bytes", "machine", "config")
 ROW_FIELDS = (

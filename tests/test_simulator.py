@@ -5,14 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moetide.analysis.simulator import (
+    SimulatedExpertCache,
+    VirtualClock,
+    layer_capacities,
+    profile_prefetch_distance,
+    simulate,
+)
+from moetide.analysis.synthetic import synthetic_trace
+from moetide.analysis.trace import STEP_DECODE, Trace, TraceMeta
 from moetide.policies.base import PolicyBase
 from moetide.policies.baselines import LRUSpeculativePolicy, OnDemandPolicy
 from moetide.policies.dynaexq import DynaExqScheduler
-from moetide.analysis.simulator import profile_prefetch_distance
 from moetide.policies.finemoe import FineMoEPolicy
-from moetide.analysis.simulator import SimulatedExpertCache, VirtualClock, layer_capacities, simulate
-from moetide.analysis.synthetic import synthetic_trace
-from moetide.analysis.trace import STEP_DECODE, Trace, TraceMeta
 
 
 def hand_trace(per_step: list[list[int]], J: int = 4, spec: list[list[int]] | None = None) -> Trace:
