@@ -254,7 +254,21 @@ def plot(out: Path, rows: list[dict], static_rows: list[dict], args, title: str)
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def ratios(rows: list[dict], args) -> dict:
+    """FineMoE's hit rate over MoE-Infinity's and LRU's, per cache fraction and distance."""
+    by = {(r["name"], r["d"], r["cache_fraction"]): r for r in rows}
+    targets = {}
+    for frac in args.cache_fractions:
+        for d in args.distances:
+            f = by[("finemoe", d, frac)]["hit_rate"]
+            targets[f"cache={frac},d={d}"] = {
+                "finemoe_over_moe_infinity": f / by[("moe-infinity", d, frac)]["hit_rate"],
+                "finemoe_over_lru": f / by[("lru", d, frac)]["hit_rate"],
+            }
+    return targets
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="transformers MoE checkpoint dir (records both traces)")
@@ -281,18 +295,12 @@ def main(argv=None) -> int:
     ap.add_argument("--int2-ratio", type=float, default=2.5 / 16, help="int2 (group 64) / bf16 bytes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv), ap
 
+
+def load_traces(args, ap, out: Path) -> str:
+    """Set the warm-up and test traces (module globals, inherited by the workers); their source."""
     global _WARM, _TEST
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.replot:
-        saved = json.loads((out / "results.json").read_text())
-        old = argparse.Namespace(**saved["args"])
-        meta = saved["meta"]
-        write_markdown(out / "results.md", saved["results"], saved["static"], meta, old)
-        plot(out, saved["results"], saved["static"], old, f"{meta['source']}\ntest: {meta['test']}")
-        return 0
     if args.model:
         _WARM, _TEST = record_traces(args)
         _WARM.save(out / "warm.trace.safetensors")
@@ -317,11 +325,11 @@ def main(argv=None) -> int:
         source = f"traces: {_TEST.meta.source or args.test_trace}"
     if args.bytes_per_expert is None:
         args.bytes_per_expert = 1
-    m = _TEST.meta
-    total = m.num_layers * m.num_experts
-    if max(args.distances) >= m.num_layers:
-        ap.error(f"distances must be < {m.num_layers} layers")
+    return source
 
+
+def build_jobs(args, total: int) -> list[dict]:
+    """Every (cache fraction, d, policy) simulation, and the static baselines per cache fraction."""
     names = MAIN_POLICIES + EXTRA_POLICIES + tuple(n for n in ABLATION_STEPS if n not in MAIN_POLICIES)
     jobs = []
     job_args = {k: v for k, v in vars(args).items()}
@@ -329,7 +337,7 @@ def main(argv=None) -> int:
         cap = max(1, round(frac * total))
         for d in args.distances:
             for name in names:
-                if name in ("speculate", "map-ts-delta"):
+                if name in SAME_RUN:
                     continue  # same runs as lru / finemoe
                 jobs.append({"policy": name, "d": d, "fraction": frac, "capacity": cap, "args": job_args})
         for name, ratio in (
@@ -348,16 +356,41 @@ def main(argv=None) -> int:
                     "static": name,
                 }
             )
+    return jobs
+
+
+def run_jobs(jobs: list[dict], processes: int) -> list[dict]:
     t0 = time.time()
-    print(f"[simulate] {len(jobs)} runs on {_TEST} with {args.jobs} processes", flush=True)
-    if args.jobs > 1:
+    print(f"[simulate] {len(jobs)} runs on {_TEST} with {processes} processes", flush=True)
+    if processes > 1:
         import multiprocessing as mp
 
-        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("fork")) as ex:
+        with ProcessPoolExecutor(processes, mp_context=mp.get_context("fork")) as ex:
             results = list(ex.map(run_job, jobs))
     else:
         results = [run_job(j) for j in jobs]
     print(f"[simulate] done in {time.time() - t0:.0f} s", flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    args, ap = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        saved = json.loads((out / "results.json").read_text())
+        old = argparse.Namespace(**saved["args"])
+        meta = saved["meta"]
+        write_markdown(out / "results.md", saved["results"], saved["static"], meta, old)
+        plot(out, saved["results"], saved["static"], old, f"{meta['source']}\ntest: {meta['test']}")
+        return 0
+    source = load_traces(args, ap, out)
+    m = _TEST.meta
+    total = m.num_layers * m.num_experts
+    if max(args.distances) >= m.num_layers:
+        ap.error(f"distances must be < {m.num_layers} layers")
+    jobs = build_jobs(args, total)
+    results = run_jobs(jobs, args.jobs)
     rows, static_rows = [], []
     for job, r in zip(jobs, results, strict=True):
         if "static" in job:
@@ -379,15 +412,7 @@ def main(argv=None) -> int:
         "scope": args.scope,
         "bytes_per_expert": args.bytes_per_expert,
     }
-    by = {(r["name"], r["d"], r["cache_fraction"]): r for r in rows}
-    targets = {}
-    for frac in args.cache_fractions:
-        for d in args.distances:
-            f = by[("finemoe", d, frac)]["hit_rate"]
-            targets[f"cache={frac},d={d}"] = {
-                "finemoe_over_moe_infinity": f / by[("moe-infinity", d, frac)]["hit_rate"],
-                "finemoe_over_lru": f / by[("lru", d, frac)]["hit_rate"],
-            }
+    targets = ratios(rows, args)
     (out / "results.json").write_text(
         json.dumps(
             {"meta": meta, "args": vars(args), "results": rows, "static": static_rows, "ratios": targets},
