@@ -75,7 +75,10 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         return  # no cap given and every expert fits in hi: nothing to prefetch or requantize
     layers = len(loaded.moe_layers)
     experts = loaded.store.num_experts
-    n_hi = min(experts, int(residency.plan.hi_slots * (spec.hi_share or 0.5)) // layers)
+    # DynaExq's hot set gets its share of the hi slots (PolicySpec.hi_share); the rest is FineMoE's
+    n_hi = None
+    if spec.hi_share is not None:
+        n_hi = min(experts, int(residency.plan.hi_slots * spec.hi_share) // layers)
     policy = make_policy(
         config.policy,
         prefetch_distance=config.prefetch_distance,
