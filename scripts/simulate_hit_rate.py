@@ -27,10 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from moetide.analysis.ablations import ABLATIONS, HitCountPolicy
 from moetide.analysis.simulator import simulate
 from moetide.analysis.trace import Trace
-from moetide.policies.baselines import HitCountPolicy, LRUSpeculativePolicy, MoEInfinityPolicy, OnDemandPolicy
-from moetide.policies.finemoe import ABLATIONS, FineMoEPolicy
+from moetide.policies.baselines import LRUSpeculativePolicy, MoEInfinityPolicy, OnDemandPolicy
+from moetide.policies.finemoe import FineMoEPolicy
 
 MAIN_POLICIES = ("on-demand", "lru", "moe-infinity", "finemoe")
 ABLATION_STEPS = ("speculate", "hit-count", "map-t", "map-ts", "map-ts-delta")

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from moetide.policies.baselines import HitCountPolicy, LRUSpeculativePolicy, MoEInfinityPolicy
+from moetide.analysis.ablations import HitCountPolicy
+from moetide.policies.baselines import LRUSpeculativePolicy, MoEInfinityPolicy
 from moetide.policies.dynaexq import DynaExqScheduler, n_hi_from_budget
 from moetide.policies.expert_map import ExpertMapStore, delta_from_score, select_by_cumulative_probability
 from moetide.policies.finemoe import FineMoEPolicy

@@ -447,11 +447,3 @@ class FineMoEPolicy(PolicyBase):
             "store_size": store_size,
             "errors": errors,
         }
-
-
-# -- ablation presets (paper Fig. "hit-count -> Map(T) -> Map(T+S) -> Map(T+S+delta)") ---------------
-ABLATIONS: dict[str, dict] = {
-    "map-t": {"use_semantic": False, "use_trajectory": True, "adaptive_delta": False},
-    "map-ts": {"use_semantic": True, "use_trajectory": True, "adaptive_delta": False},
-    "map-ts-delta": {"use_semantic": True, "use_trajectory": True, "adaptive_delta": True},
-}
