@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 4's GPU measurement: batch-1 decode of an OLMoE-1B-7B-shaped random model (written as a
+"""GPU measurement: batch-1 decode of an OLMoE-1B-7B-shaped random model (written as a
 real checkpoint) under moetide policies at a 4 GiB budget, beside transformers fully on the GPU and
 transformers + accelerate offload at the same cap, all in one run.
 
@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-from moetide.bench.decode import bench_hf, bench_moetide
+from moetide.bench.runs import bench_hf, bench_moetide
 from moetide.bench.synthetic import write_synthetic_checkpoint
 from moetide.config import CUDA_GRAPHS, LO_KERNELS
-from moetide.residency import POLICY_MODES
+from moetide.policies.registry import policy_spec
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The arguments, the lo kernels and the CUDA-graph settings to run."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="olmoe-1b-7b")
     ap.add_argument("--checkpoint", default="/tmp/moetide-synthetic")
@@ -65,7 +66,11 @@ def main() -> int:
     lo_kernels = [k for k in args.lo_kernel.split(",") if k]
     if not lo_kernels or any(k not in LO_KERNELS for k in lo_kernels):
         ap.error(f"--lo-kernel takes a comma-separated list of {', '.join(LO_KERNELS)}")
+    return args, lo_kernels, graph_modes
 
+
+def main() -> int:
+    args, lo_kernels, graph_modes = parse_args()
     ckpt = Path(args.checkpoint) / args.shape
     t0 = time.perf_counter()
     if not (ckpt / "model.safetensors.index.json").is_file():
@@ -89,18 +94,7 @@ def main() -> int:
     def record(r):
         results["runs"].append(r)
         out.write_text(json.dumps(results, indent=2))
-        tok_s = r.get("decode_tok_s")
-        label = r.get("policy", r.get("experts_implementation", "")) or ""
-        if r.get("lo_kernel"):
-            label += f" [{r['lo_kernel']}]"
-        if r.get("cuda_graphs_setting") == "off":
-            label += " [no graphs]"
-        print(
-            f"{r['engine']:10s} {label:24s} "
-            f"{r.get('gpu_memory')!s:6s} decode {tok_s or 0:8.2f} tok/s  peak {r['peak_gpu_bytes'] / 2**30:6.2f} GiB"
-            f"  load {r['load_s']:6.1f}s",
-            flush=True,
-        )
+        print_run(r)
 
     if not args.skip_hf:
         for impl in (None, "batched_mm"):
@@ -108,10 +102,38 @@ def main() -> int:
                 record(bench_hf(ckpt, new_tokens=args.new_tokens, experts_implementation=impl))
             except Exception as e:  # one baseline failing must not lose the others
                 print(f"hf {impl}: {type(e).__name__}: {e}", flush=True)
+    run_policies(args, ckpt, lo_kernels, graph_modes, results, record)
+    if not args.skip_hf:
+        try:
+            record(bench_hf(ckpt, offload_budget=args.budget, new_tokens=args.hf_offload_tokens))
+        except Exception as e:
+            print(f"hf-offload: {type(e).__name__}: {e}", flush=True)
+    out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def print_run(r: dict) -> None:
+    tok_s = r.get("decode_tok_s")
+    label = r.get("policy", r.get("experts_implementation", "")) or ""
+    if r.get("lo_kernel"):
+        label += f" [{r['lo_kernel']}]"
+    if r.get("cuda_graphs_setting") == "off":
+        label += " [no graphs]"
+    print(
+        f"{r['engine']:10s} {label:24s} "
+        f"{r.get('gpu_memory')!s:6s} decode {tok_s or 0:8.2f} tok/s  peak {r['peak_gpu_bytes'] / 2**30:6.2f} GiB"
+        f"  load {r['load_s']:6.1f}s",
+        flush=True,
+    )
+
+
+def run_policies(args, ckpt: Path, lo_kernels, graph_modes, results: dict, record) -> None:
+    """Every moetide configuration: each policy x lo kernel (lo versions only) x graph setting
+    (no-offload, static-* only) x repeat; a failing one is recorded with its error."""
     for spec in args.policies.split(","):
         policy, _, on_miss = spec.partition(":")
-        budget = None if policy == "no-offload" else args.budget
-        mode, has_lo = POLICY_MODES.get(policy, (None, False))
+        mode, has_lo = policy_spec(policy).memory_mode, policy_spec(policy).needs_lo
+        budget = None if mode == "all-hi" else args.budget  # no offloading: the whole GPU
         kernels = lo_kernels if has_lo else ["auto"]  # the kernel only matters for lo versions
         graphs = graph_modes if mode in ("all-hi", "all-lo") else ["auto"]  # only these are ever captured
         runs = [(k, g, i) for k in kernels for g in graphs for i in range(args.repeat)]
@@ -138,13 +160,6 @@ def main() -> int:
                     {"engine": "moetide", "policy": policy, "gpu_memory": budget, "lo_kernel": lo_kernel,
                      "error": str(e)}
                 )  # fmt: skip
-    if not args.skip_hf:
-        try:
-            record(bench_hf(ckpt, offload_budget=args.budget, new_tokens=args.hf_offload_tokens))
-        except Exception as e:
-            print(f"hf-offload: {type(e).__name__}: {e}", flush=True)
-    out.write_text(json.dumps(results, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 5: the FineMoE searcher's cost, on the engine, against the decode iteration time.
+"""The FineMoE searcher's cost, on the engine, against the decode iteration time.
 
 Demo model, a budget where every expert fits (so prefetches move nothing and only the policy's own
 cost differs), the map store warmed from held-out conversations 0..W-1, measured on W..W+N-1, once
@@ -25,10 +25,10 @@ import time
 import torch
 
 import moetide
+from moetide.analysis.trace import record_trace
 from moetide.data.sharegpt import heldout_conversations
 from moetide.policies.finemoe import FineMoEConfig, FineMoEPolicy
 from moetide.policies.hooks import PolicyHooks
-from moetide.policies.trace import record_trace
 
 
 def user_prompts(tokenizer, convs, max_len=256):
@@ -91,6 +91,18 @@ def paired_share(a: list[float], b: list[float], base: list[float] | None = None
     return {"mean": statistics.fmean(shares), "two_sem": 2 * sem, "prompts": len(shares)}
 
 
+def warm_store(llm, args) -> tuple[list[list[int]], int, float]:
+    """Warm FineMoE's map store on held-out conversations 0..warm-1; the next ones are the test
+    prompts. Returns (test prompts, maps inserted, seconds)."""
+    convs = heldout_conversations()
+    warm = user_prompts(llm.tokenizer, convs[: args.warm])
+    test = user_prompts(llm.tokenizer, convs[args.warm : args.warm + 4 * args.prompts])[: args.prompts]
+    t0 = time.perf_counter()
+    trace = record_trace(llm.loaded.model, llm.loaded.adapter, warm, max_new_tokens=16, spec_distances=())
+    inserted = llm.loaded.policy.warm_up(trace)
+    return test, inserted, time.perf_counter() - t0
+
+
 def measure(args, searcher: str) -> dict:
     """One engine with FineMoE's searcher in `searcher` ("process" / "thread"). Conditions, rotated
     per prompt: no policy ("off"), FineMoE ("finemoe") and, with a searcher process, the same hooks
@@ -98,14 +110,8 @@ def measure(args, searcher: str) -> dict:
     llm = moetide.LLM(
         device=args.device, policy="finemoe", gpu_memory="2GiB", prefetch_distance=2, searcher=searcher
     )
-    convs = heldout_conversations()
-    warm = user_prompts(llm.tokenizer, convs[: args.warm])
-    test = user_prompts(llm.tokenizer, convs[args.warm : args.warm + 4 * args.prompts])[: args.prompts]
-    t0 = time.perf_counter()
-    trace = record_trace(llm.loaded.model, llm.loaded.adapter, warm, max_new_tokens=16, spec_distances=())
+    test, inserted, warm_s = warm_store(llm, args)
     policy = llm.loaded.policy
-    inserted = policy.warm_up(trace)
-    warm_s = time.perf_counter() - t0
     conditions = {"off": None, "finemoe": llm.loaded.policy_hooks}
     extra_policy = None
     if searcher == "process":
@@ -129,7 +135,7 @@ def measure(args, searcher: str) -> dict:
             steps = timed_decode(llm, [ids], args.new_tokens)
             times[name] += steps
             per_prompt[name].append(statistics.median(steps))
-            if name == "finemoe":
+            if hooks is llm.loaded.policy_hooks:  # FineMoE's own hooks: the searcher's wall time
                 wall += time.perf_counter() - start
             if hooks is not None:
                 hook_s[name] += hooks.hook_time_s - hook_before

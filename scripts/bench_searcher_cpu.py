@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Issue 5: the FineMoE searcher's own CPU time per decode step, without a model or a GPU.
+"""The FineMoE searcher's own CPU time per decode step, without a model or a GPU.
 
 The searcher thread shares the GIL with the forward thread, so its Python time per step is what can
-delay the forward pass (BENCHMARKS.md §5). This runs the searcher's handler synchronously on
+delay the forward pass (results/history.md §5). This runs the searcher's handler synchronously on
 synthetic steps of the demo model's geometry (8 layers x 32 experts, top-4, hidden 256) against a
 store of `--maps` entries and prints microseconds per step (begin + one event per layer + end).
 

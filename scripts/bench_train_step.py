@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training-step speed of the demo model per experts implementation (GPU diagnostic for issue 3).
+"""Training-step speed of the demo model per experts implementation.
 
 Builds the demo model's Qwen3-MoE config (as `train_demo_model.py` does), feeds random token batches and
 times whole optimizer steps (bf16 autocast forward + backward + fused AdamW), per implementation:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: install carried wheels, run the GPU tests, then the benchmarks named in $@.
 # Usage (device tool, carry .whl): bash scripts/gpu_run.sh tests offload server searcher bs32 eval
-# lo kernel A/B (issue 4): bash scripts/gpu_run.sh lotests lolayer lodecode
+# kernel A/B (fused vs per-expert reference): bash scripts/gpu_run.sh lodecode
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -19,14 +19,11 @@ for step in "$@"; do
   echo "=== $step $(date +%T), $((DEADLINE - SECONDS)) s left"
   [ $((DEADLINE - SECONDS)) -lt 20 ] && { echo "skipped: no time left"; continue; }
   case "$step" in
-    tests)    timeout $(T 150) python3 -m pytest -q -m gpu -p no:cacheprovider tests/ --ignore tests/test_lowbit_triton.py \
+    tests)    timeout $(T 150) python3 -m pytest -q -m gpu -p no:cacheprovider tests/ \
                 --ignore tests/test_server.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
     graphtests) timeout $(T 120) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_graphed_decode.py \
                 tests/test_policies_trace.py -k "graph or published_after" 2>&1 | tail -150 | tee "$OUT/gpu_graph_tests.log" ;;
-    lotests)  timeout $(T 120) python3 -m pytest -q -p no:cacheprovider tests/test_lowbit_triton.py tests/test_gpu.py -k "${LOTESTS_K:-grouped or lo_kernel}" 2>&1 | tail -15 | tee "$OUT/gpu_lo_tests.log" ;;
     gpupeak)  timeout $(T 40) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k peak 2>&1 | tail -3 | tee "$OUT/gpu_peak.log" ;;
-    lowbit)   timeout $(T 60) python3 scripts/bench_lowbit.py "$OUT/bench_lowbit.json" --sweep 2>&1 | tail -30 ;;
-    lolayer)  timeout $(T 150) python3 scripts/bench_lowbit.py "$OUT/bench_lowbit_layer.json" --skip-expert --sweep 2>&1 | tail -45 ;;
     lodecode) timeout $(T 200) python3 scripts/bench_offload.py --skip-hf --out "$OUT/offload_lo_kernel.json" \
                 --policies no-offload,static-int2,combined --lo-kernel dequant,triton 2>&1 | grep -v "Warn\|Loading weights\|writing" ;;
     offload)  timeout $(T 260) python3 scripts/bench_offload.py --out "$OUT/offload_olmoe.json" --cuda-graphs auto,off \
@@ -48,7 +45,7 @@ for step in "$@"; do
                 --batch-size 32 --lo-kernel triton 2>&1 | grep "^{" ;;
     bs32dq)   timeout $(T 120) $MT bench --synthetic olmoe-1b-7b --policy combined --gpu-memory 4GiB --lo-kernel dequant \
                 --batch-size 32 --output-len 32 --max-input-len 128 --out "$OUT/bs32dq" 2>&1 | grep -v "Warn\|Loading" | tail -12 ;;
-    trace)    # issue 7's trace-driven run: held-out demo-model routing (recorded on the CPU, 48 requests x 32
+    trace)    # the trace-driven run: held-out demo-model routing (recorded on the CPU, 48 requests x 32
               # tokens, the first 16 replayed as warm-up) onto the OLMoE expert size, 25 % of the experts
               TR=/tmp/trace_heldout.safetensors
               [ -f $TR ] || timeout $(T 120) $MT bench --record-trace $TR --num-prompts 48 --output-len 32 --max-input-len 128 2>&1 | tail -1

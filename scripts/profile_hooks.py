@@ -16,8 +16,8 @@ import pstats
 import sys
 
 import moetide
+from moetide.analysis.trace import record_trace
 from moetide.data.sharegpt import heldout_conversations
-from moetide.policies.trace import record_trace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_searcher import timed_decode, user_prompts

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import numpy as np
 import torch
 
+from moetide.analysis.simulator import TraceSimulator, VirtualClock, default_step_time
+from moetide.analysis.trace import Trace
 from moetide.policies.dynaexq import DynaExqScheduler
-from moetide.policies.simulator import TraceSimulator, VirtualClock, default_step_time
-from moetide.policies.trace import Trace
 
 
 def phase_counts(trace: Trace, start: int, end: int) -> torch.Tensor:
@@ -112,7 +112,7 @@ def windows(times, sel, hi, width_s):
 
 
 def record(args) -> tuple[Trace, int]:
-    from moetide.policies.workload import heldout_conversations, load_hf_model, record_conversations
+    from moetide.analysis.workload import heldout_conversations, load_hf_model, record_conversations
 
     model, tok, adapter = load_hf_model(args.model)
     kw = {
@@ -143,7 +143,7 @@ def record(args) -> tuple[Trace, int]:
     return Trace.concat([code, chat]), len(code)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model")
@@ -166,16 +166,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-transitions", type=int, default=16, help="precision changes per update at most")
     ap.add_argument("--decode-step-s", type=float, default=0.03)
     ap.add_argument("--prefill-token-s", type=float, default=0.0005)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv), ap
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+
+def load_trace(args, ap, out: Path) -> tuple[Trace, int, str]:
+    """(trace, first step of the second workload, a description of the source)."""
     if args.model:
         trace, shift = record(args)
         trace.save(out / "shift.trace.safetensors")
         source = f"model {args.model} (held-out code, then chat; decode={args.decode})"
     elif args.synthetic:
-        from moetide.policies.synthetic import synthetic_trace
+        from moetide.analysis.synthetic import synthetic_trace
 
         n = args.requests
         trace = synthetic_trace([0] * n + [1] * n, decode_steps=args.max_new_tokens - 1)
@@ -186,6 +187,46 @@ def main(argv=None) -> int:
             ap.error("--trace needs --shift-step")
         trace, shift = Trace.load(args.trace), args.shift_step
         source = f"trace {args.trace}"
+    return trace, shift, source
+
+
+def summarize_run(r: dict, shift_time: float, update_interval_s: float) -> dict:
+    """One run's hi shares per phase, overlap with the new hot set and transitions (adds its
+    window series to `r`)."""
+    ends, shares = windows(r["times_s"], r["selections"], r["hi_selections"], update_interval_s)
+    r["window_end_s"], r["window_hi_share"] = ends, shares
+    t = np.asarray(r["times_s"])
+    sel, hi = np.asarray(r["selections"]), np.asarray(r["hi_selections"])
+    p1, p2 = t <= shift_time, t > shift_time
+    half2 = t > shift_time + (t[-1] - shift_time) / 2
+    ov = np.asarray(r["overlap_with_phase2_hot"])
+
+    def intervals_to_overlap(level: float) -> float | None:
+        hit = next((float(t[i]) for i in range(len(t)) if t[i] > shift_time and ov[i] >= level), None)
+        return None if hit is None else (hit - shift_time) / update_interval_s
+
+    ctr = np.asarray(r["cumulative_transitions"])
+    return {
+        "hi_share_phase1": float(hi[p1].sum() / sel[p1].sum()),
+        "hi_share_phase2": float(hi[p2].sum() / sel[p2].sum()),
+        "hi_share_phase2_second_half": float(hi[half2].sum() / sel[half2].sum()),
+        "overlap_with_phase2_hot_set_at_shift": float(ov[t <= shift_time][-1]),
+        "intervals_to_75pct_overlap_with_phase2_hot_set": intervals_to_overlap(0.75),
+        "intervals_to_90pct_overlap_with_phase2_hot_set": intervals_to_overlap(0.90),
+        "final_overlap_with_phase2_hot_set": float(ov[-1]),
+        "transitions": r["transitions"],
+        "transitions_phase1": int(ctr[p1][-1]),
+        "transitions_phase2": int(ctr[-1] - ctr[p1][-1]),
+        "updates": r["updates"],
+        "deferred_moves": r["deferred_moves"],
+    }
+
+
+def main(argv=None) -> int:
+    args, ap = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace, shift, source = load_trace(args, ap, out)
     m = trace.meta
     args.n_hi = max(1, round(args.hi_fraction * m.num_experts))
 
@@ -204,35 +245,7 @@ def main(argv=None) -> int:
         "frozen at shift": run(trace, args, args.margin, shift, hot2),
     }
     shift_time = runs["hysteresis"]["times_s"][shift - 1]
-    summary = {}
-    for name, r in runs.items():
-        ends, shares = windows(r["times_s"], r["selections"], r["hi_selections"], args.update_interval_s)
-        r["window_end_s"], r["window_hi_share"] = ends, shares
-        t = np.asarray(r["times_s"])
-        sel, hi = np.asarray(r["selections"]), np.asarray(r["hi_selections"])
-        p1, p2 = t <= shift_time, t > shift_time
-        half2 = t > shift_time + (t[-1] - shift_time) / 2
-        ov = np.asarray(r["overlap_with_phase2_hot"])
-
-        def intervals_to_overlap(level: float, t=t, ov=ov) -> float | None:
-            hit = next((float(t[i]) for i in range(len(t)) if t[i] > shift_time and ov[i] >= level), None)
-            return None if hit is None else (hit - shift_time) / args.update_interval_s
-
-        ctr = np.asarray(r["cumulative_transitions"])
-        summary[name] = {
-            "hi_share_phase1": float(hi[p1].sum() / sel[p1].sum()),
-            "hi_share_phase2": float(hi[p2].sum() / sel[p2].sum()),
-            "hi_share_phase2_second_half": float(hi[half2].sum() / sel[half2].sum()),
-            "overlap_with_phase2_hot_set_at_shift": float(ov[t <= shift_time][-1]),
-            "intervals_to_75pct_overlap_with_phase2_hot_set": intervals_to_overlap(0.75),
-            "intervals_to_90pct_overlap_with_phase2_hot_set": intervals_to_overlap(0.90),
-            "final_overlap_with_phase2_hot_set": float(ov[-1]),
-            "transitions": r["transitions"],
-            "transitions_phase1": int(ctr[p1][-1]),
-            "transitions_phase2": int(ctr[-1] - ctr[p1][-1]),
-            "updates": r["updates"],
-            "deferred_moves": r["deferred_moves"],
-        }
+    summary = {name: summarize_run(r, shift_time, args.update_interval_s) for name, r in runs.items()}
     h, p = summary["hysteresis"], summary["plain top-n"]
     summary["transition_reduction_by_hysteresis"] = (
         1 - h["transitions"] / p["transitions"] if p["transitions"] else None

@@ -27,15 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from moetide.policies.baselines import (
-    HitCountPolicy,
-    LRUSpeculativePolicy,
-    MoEInfinityPolicy,
-    OnDemandPolicy,
-)
-from moetide.policies.finemoe import ABLATIONS, FineMoEPolicy
-from moetide.policies.simulator import simulate
-from moetide.policies.trace import Trace
+from moetide.analysis.ablations import ABLATIONS, HitCountPolicy
+from moetide.analysis.simulator import simulate
+from moetide.analysis.trace import Trace
+from moetide.policies.baselines import LRUSpeculativePolicy, MoEInfinityPolicy, OnDemandPolicy
+from moetide.policies.finemoe import FineMoEPolicy
 
 MAIN_POLICIES = ("on-demand", "lru", "moe-infinity", "finemoe")
 ABLATION_STEPS = ("speculate", "hit-count", "map-t", "map-ts", "map-ts-delta")
@@ -52,34 +48,26 @@ _WARM: Trace | None = None
 _TEST: Trace | None = None
 
 
+SAME_RUN = {"speculate": "lru", "map-ts-delta": "finemoe"}  # ablation steps that are a main policy's run
+
+
 def make_policy(name: str, d: int, args):
-    if name == "on-demand":
-        return OnDemandPolicy()
-    if name in ("lru", "speculate"):
-        return LRUSpeculativePolicy(d)
-    if name == "moe-infinity":
-        return MoEInfinityPolicy(d, eamc_capacity=args.map_store_capacity)
-    if name == "hit-count":
-        return HitCountPolicy(d, eamc_capacity=args.map_store_capacity)
-    if name in ("finemoe", "map-ts-delta"):
-        return FineMoEPolicy(
-            prefetch_distance=d, map_store_capacity=args.map_store_capacity, synchronous=True
-        )
-    if name == "finemoe-lru-evict":
-        return FineMoEPolicy(
-            prefetch_distance=d,
-            map_store_capacity=args.map_store_capacity,
-            synchronous=True,
-            preferred_eviction="lru",
-        )
-    if name in ABLATIONS:
-        return FineMoEPolicy(
-            prefetch_distance=d,
-            map_store_capacity=args.map_store_capacity,
-            synchronous=True,
-            **ABLATIONS[name],
-        )
-    raise ValueError(name)
+    """The simulated policy of a main, extra or ablation name (a table: one builder per name)."""
+    cap = args.map_store_capacity
+
+    def finemoe(**kw):
+        return FineMoEPolicy(prefetch_distance=d, map_store_capacity=cap, synchronous=True, **kw)
+
+    builders = {
+        "on-demand": OnDemandPolicy,
+        "lru": lambda: LRUSpeculativePolicy(d),
+        "moe-infinity": lambda: MoEInfinityPolicy(d, eamc_capacity=cap),
+        "hit-count": lambda: HitCountPolicy(d, eamc_capacity=cap),
+        "finemoe": finemoe,
+        "finemoe-lru-evict": lambda: finemoe(preferred_eviction="lru"),
+        **{step: (lambda kw=kw: finemoe(**kw)) for step, kw in ABLATIONS.items()},
+    }
+    return builders[SAME_RUN.get(name, name)]()
 
 
 def run_job(job: dict) -> dict:
@@ -90,7 +78,7 @@ def run_job(job: dict) -> dict:
     args = argparse.Namespace(**job["args"])
     policy = make_policy(job["policy"], job["d"], args)
     t0 = time.perf_counter()
-    if hasattr(policy, "warm_up") and job["policy"] != "on-demand":
+    if hasattr(policy, "warm_up") and not isinstance(policy, OnDemandPolicy):
         policy.warm_up(_WARM)
     res = simulate(
         _TEST,
@@ -108,7 +96,7 @@ def run_job(job: dict) -> dict:
 
 
 def record_traces(args) -> tuple[Trace, Trace]:
-    from moetide.policies.workload import (
+    from moetide.analysis.workload import (
         heldout_conversations,
         load_hf_model,
         record_conversations,
@@ -267,7 +255,21 @@ def plot(out: Path, rows: list[dict], static_rows: list[dict], args, title: str)
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def ratios(rows: list[dict], args) -> dict:
+    """FineMoE's hit rate over MoE-Infinity's and LRU's, per cache fraction and distance."""
+    by = {(r["name"], r["d"], r["cache_fraction"]): r for r in rows}
+    targets = {}
+    for frac in args.cache_fractions:
+        for d in args.distances:
+            f = by[("finemoe", d, frac)]["hit_rate"]
+            targets[f"cache={frac},d={d}"] = {
+                "finemoe_over_moe_infinity": f / by[("moe-infinity", d, frac)]["hit_rate"],
+                "finemoe_over_lru": f / by[("lru", d, frac)]["hit_rate"],
+            }
+    return targets
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="transformers MoE checkpoint dir (records both traces)")
@@ -294,18 +296,12 @@ def main(argv=None) -> int:
     ap.add_argument("--int2-ratio", type=float, default=2.5 / 16, help="int2 (group 64) / bf16 bytes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv), ap
 
+
+def load_traces(args, ap, out: Path) -> str:
+    """Set the warm-up and test traces (module globals, inherited by the workers); their source."""
     global _WARM, _TEST
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.replot:
-        saved = json.loads((out / "results.json").read_text())
-        old = argparse.Namespace(**saved["args"])
-        meta = saved["meta"]
-        write_markdown(out / "results.md", saved["results"], saved["static"], meta, old)
-        plot(out, saved["results"], saved["static"], old, f"{meta['source']}\ntest: {meta['test']}")
-        return 0
     if args.model:
         _WARM, _TEST = record_traces(args)
         _WARM.save(out / "warm.trace.safetensors")
@@ -314,7 +310,7 @@ def main(argv=None) -> int:
         if args.bytes_per_expert is None:
             args.bytes_per_expert = expert_bytes_from_model(args.model)
     elif args.synthetic:
-        from moetide.policies.synthetic import synthetic_trace
+        from moetide.analysis.synthetic import synthetic_trace
 
         _WARM = synthetic_trace(
             [i % 4 for i in range(args.warm_requests)], seed=1, decode_steps=args.max_new_tokens - 1
@@ -330,11 +326,11 @@ def main(argv=None) -> int:
         source = f"traces: {_TEST.meta.source or args.test_trace}"
     if args.bytes_per_expert is None:
         args.bytes_per_expert = 1
-    m = _TEST.meta
-    total = m.num_layers * m.num_experts
-    if max(args.distances) >= m.num_layers:
-        ap.error(f"distances must be < {m.num_layers} layers")
+    return source
 
+
+def build_jobs(args, total: int) -> list[dict]:
+    """Every (cache fraction, d, policy) simulation, and the static baselines per cache fraction."""
     names = MAIN_POLICIES + EXTRA_POLICIES + tuple(n for n in ABLATION_STEPS if n not in MAIN_POLICIES)
     jobs = []
     job_args = {k: v for k, v in vars(args).items()}
@@ -342,7 +338,7 @@ def main(argv=None) -> int:
         cap = max(1, round(frac * total))
         for d in args.distances:
             for name in names:
-                if name in ("speculate", "map-ts-delta"):
+                if name in SAME_RUN:
                     continue  # same runs as lru / finemoe
                 jobs.append({"policy": name, "d": d, "fraction": frac, "capacity": cap, "args": job_args})
         for name, ratio in (
@@ -361,16 +357,41 @@ def main(argv=None) -> int:
                     "static": name,
                 }
             )
+    return jobs
+
+
+def run_jobs(jobs: list[dict], processes: int) -> list[dict]:
     t0 = time.time()
-    print(f"[simulate] {len(jobs)} runs on {_TEST} with {args.jobs} processes", flush=True)
-    if args.jobs > 1:
+    print(f"[simulate] {len(jobs)} runs on {_TEST} with {processes} processes", flush=True)
+    if processes > 1:
         import multiprocessing as mp
 
-        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("fork")) as ex:
+        with ProcessPoolExecutor(processes, mp_context=mp.get_context("fork")) as ex:
             results = list(ex.map(run_job, jobs))
     else:
         results = [run_job(j) for j in jobs]
     print(f"[simulate] done in {time.time() - t0:.0f} s", flush=True)
+    return results
+
+
+def main(argv=None) -> int:
+    args, ap = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        saved = json.loads((out / "results.json").read_text())
+        old = argparse.Namespace(**saved["args"])
+        meta = saved["meta"]
+        write_markdown(out / "results.md", saved["results"], saved["static"], meta, old)
+        plot(out, saved["results"], saved["static"], old, f"{meta['source']}\ntest: {meta['test']}")
+        return 0
+    source = load_traces(args, ap, out)
+    m = _TEST.meta
+    total = m.num_layers * m.num_experts
+    if max(args.distances) >= m.num_layers:
+        ap.error(f"distances must be < {m.num_layers} layers")
+    jobs = build_jobs(args, total)
+    results = run_jobs(jobs, args.jobs)
     rows, static_rows = [], []
     for job, r in zip(jobs, results, strict=True):
         if "static" in job:
@@ -379,10 +400,7 @@ def main(argv=None) -> int:
         else:
             rows.append(r)
     for r in list(rows):  # the shared runs under their ablation names
-        if r["name"] == "lru":
-            rows.append(dict(r, name="speculate"))
-        if r["name"] == "finemoe":
-            rows.append(dict(r, name="map-ts-delta"))
+        rows.extend(dict(r, name=step) for step, main in SAME_RUN.items() if r["name"] == main)
 
     meta = {
         "source": source,
@@ -395,15 +413,7 @@ def main(argv=None) -> int:
         "scope": args.scope,
         "bytes_per_expert": args.bytes_per_expert,
     }
-    by = {(r["name"], r["d"], r["cache_fraction"]): r for r in rows}
-    targets = {}
-    for frac in args.cache_fractions:
-        for d in args.distances:
-            f = by[("finemoe", d, frac)]["hit_rate"]
-            targets[f"cache={frac},d={d}"] = {
-                "finemoe_over_moe_infinity": f / by[("moe-infinity", d, frac)]["hit_rate"],
-                "finemoe_over_lru": f / by[("lru", d, frac)]["hit_rate"],
-            }
+    targets = ratios(rows, args)
     (out / "results.json").write_text(
         json.dumps(
             {"meta": meta, "args": vars(args), "results": rows, "static": static_rows, "ratios": targets},

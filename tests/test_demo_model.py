@@ -9,8 +9,8 @@ import torch
 
 import moetide
 from moetide.data.sharegpt import heldout_conversations, heldout_loss
+from moetide.engine.assemble import load_model
 from moetide.models.checkpoint import load_tokenizer
-from moetide.models.loader import load_model
 
 DEMO = moetide.demo_model_path()
 

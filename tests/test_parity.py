@@ -9,7 +9,7 @@ import torch
 from tiny_models import FAMILIES
 
 import moetide
-from moetide.models.loader import load_model
+from moetide.engine.assemble import load_model
 
 GREEDY_32 = moetide.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""The formulas of issue 5, each pinned by a test that fails if the formula changes.
+"""The policy formulas, each pinned by a test that fails if the formula changes.
 
 FineMoE: delta selection, delta = clip(1 - score), RDY dedup weights, semantic / trajectory cosine.
 DynaExq: EMA, per-layer top-n_hi, hysteresis margin, rate limit ordered by gap, n_hi from budget.
@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from moetide.policies.baselines import HitCountPolicy, LRUSpeculativePolicy, MoEInfinityPolicy
+from moetide.analysis.ablations import HitCountPolicy
+from moetide.policies.baselines import LRUSpeculativePolicy, MoEInfinityPolicy
 from moetide.policies.dynaexq import DynaExqScheduler, n_hi_from_budget
 from moetide.policies.expert_map import ExpertMapStore, delta_from_score, select_by_cumulative_probability
 from moetide.policies.finemoe import FineMoEPolicy

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
+from moetide.analysis.synthetic import synthetic_trace
+from moetide.analysis.trace import Trace, TraceRecorder, greedy_generate, record_trace
 from moetide.models.registry import get_adapter
 from moetide.policies.finemoe import FineMoEPolicy
-from moetide.policies.hooks import PolicyHooks, greedy_generate
-from moetide.policies.synthetic import synthetic_trace
-from moetide.policies.trace import Trace, TraceRecorder, record_trace
+from moetide.policies.hooks import PolicyHooks
 
 
 def tiny_qwen3_moe(num_layers: int = 3, seed: int = 0):

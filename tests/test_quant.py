@@ -1,15 +1,11 @@
-"""Expert weight formats (moetide.store.quant): quantize, pack, buffers, forward; the Triton kernel."""
+"""Expert weight formats (moetide.store.quant): quantize, pack, buffers, an expert's forward from them."""
 
 from __future__ import annotations
-
-import importlib
-import importlib.util
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_interpreter import HAS_TRITON, INTERPRETING, kernel_device, run_under_interpreter
 
 from moetide.store import quant
 from moetide.store.quant import (
@@ -17,7 +13,6 @@ from moetide.store.quant import (
     PARAM_DTYPE,
     dequantize,
     dequantize_matrix,
-    expert_forward,
     expert_layout,
     expert_views,
     nbytes_for,
@@ -305,6 +300,12 @@ def test_lo_buffer_holds_exactly_the_quantized_matrices(precision):
 # ---------------------------------------------------------------------------------------------
 
 
+def expert_forward(x, views, meta):
+    """One expert's output (T, H) for x (T, H) from a packed version: dequantize to x's dtype, then
+    `quant.swiglu_expert` (the reference formula the engine's kernels are compared with)."""
+    return swiglu_expert(x, *dequantize(views, meta, x.dtype))
+
+
 def reference_expert(x, gate_up, down):
     """The checkpoint formula, written out independently of quant.swiglu_expert."""
     intermediate = gate_up.shape[0] // 2
@@ -391,77 +392,3 @@ def test_cuda_forward_matches_cpu(precision):
     y_cpu = expert_forward(x, cpu_views, meta).float()
     y_cuda = expert_forward(x.cuda(), cuda_views, meta).float().cpu()
     assert relative_error(y_cuda, y_cpu) < 1e-2  # bf16 matmuls: accumulation order differs
-
-
-# ---------------------------------------------------------------------------------------------
-# Triton fused low-bit kernel: on CPU under Triton's interpreter, on GPU compiled
-# ---------------------------------------------------------------------------------------------
-
-# on CPU the kernel tests run in an interpreter-mode process (test_triton_kernels_under_interpreter)
-
-
-@pytest.fixture(scope="module")
-def triton_lowbit():
-    """moetide.store.triton_lowbit: compiled on CUDA, interpreted in an interpreter-mode process."""
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if not (torch.cuda.is_available() or INTERPRETING):
-        pytest.skip("on CPU this runs in a subprocess: test_triton_kernels_under_interpreter")
-    return importlib.import_module("moetide.store.triton_lowbit")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.skipif(torch.cuda.is_available() or INTERPRETING, reason="the kernel tests run in this process")
-def test_triton_kernels_under_interpreter():
-    result, passed, summary = run_under_interpreter(__file__, "triton and not under_interpreter")
-    assert result.returncode == 0, summary
-    assert passed >= 9 and "skipped" not in result.stdout.splitlines()[-1], summary
-
-
-# The interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584: bf16 is not
-# supported there), so on CPU the multi-token (tl.dot) path is checked in float16 and float32.
-def kernel_dtypes(num_tokens):
-    if torch.cuda.is_available() or num_tokens == 1:
-        return [torch.bfloat16, torch.float16, torch.float32]
-    return [torch.float16, torch.float32]
-
-
-@pytest.mark.parametrize("bits", [4, 2])
-@pytest.mark.parametrize("num_tokens", [1, 3, 16])
-def test_triton_lowbit_linear_matches_dequantize(triton_lowbit, bits, num_tokens):
-    device = kernel_device()
-    weight = gaussian((48, 128), seed=bits).to(device)  # N not a multiple of any block_n
-    q = quantize(weight, bits, 32)
-    packed = pack(q.codes, bits)
-    configs = [None, triton_lowbit.LowBitConfig(block_n=16, block_k=16, split_k=2)]
-    for dtype in kernel_dtypes(num_tokens):
-        x = gaussian((num_tokens, 128), dtype, seed=num_tokens, std=1.0).to(device)
-        w_hat = dequantize_matrix(q.codes, q.scale, q.offset, dtype)
-        expected = torch.nn.functional.linear(x.double(), w_hat.double())
-        for config in configs:
-            y = triton_lowbit.lowbit_linear(x, packed, q.scale, q.offset, bits, 32, config)
-            assert y.shape == (num_tokens, 48) and y.dtype == dtype
-            tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-            assert relative_error(y.double(), expected) < tolerance, (dtype, config)
-
-
-@pytest.mark.parametrize("precision", ["int4", "int2"])
-def test_triton_expert_forward_matches_reference(triton_lowbit, precision):
-    device = kernel_device()
-    gate_up, down = random_expert(64, 128, torch.float32, seed=2)
-    buffer, meta = pack_expert(gate_up.to(device), down.to(device), precision, group_size=32)
-    views = expert_views(buffer, meta)
-    x = gaussian((4, 128), torch.float32, seed=4, std=1.0).to(device)
-    y = triton_lowbit.expert_forward_lowbit(x, views, meta)
-    assert relative_error(y, expert_forward(x, views, meta)) < 1e-5
-
-
-def test_triton_rejects_too_many_tokens_and_bad_tiles(triton_lowbit):
-    q = quantize(gaussian((16, 64)), 4, 32)
-    packed = pack(q.codes, 4)
-    with pytest.raises(ValueError):
-        triton_lowbit.lowbit_linear(torch.zeros(17, 64), packed, q.scale, q.offset, 4, 32)
-    with pytest.raises(ValueError):
-        triton_lowbit.lowbit_linear(
-            torch.zeros(1, 64), packed, q.scale, q.offset, 4, 32, triton_lowbit.LowBitConfig(block_k=64)
-        )

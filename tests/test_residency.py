@@ -17,6 +17,7 @@ from moetide.residency.core import ResidencyManager, ResidencyOptions
 from moetide.residency.handles import HandleState
 from moetide.residency.metrics import ExpertMetrics
 from moetide.residency.transfer import CpuTransfer
+from moetide.store import quant
 from moetide.store.host_store import ExpertShape, HostExpertStore
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 8, 32, 32
@@ -76,8 +77,6 @@ def reference_output(x, layer, e, precision):
     if precision == "hi":
         v = STORE.views(layer, e, "hi")
         return expert_mlp(x, v["gate_up"], v["down"], ACT)
-    from moetide.store import quant
-
     gate_up, down = quant.dequantize(STORE.views(layer, e, precision), STORE.meta[precision], x.dtype)
     return expert_mlp(x, gate_up, down, ACT)
 
@@ -92,7 +91,7 @@ def run_forward(manager, layer, experts, x):
             if version.precision == "hi":
                 got = expert_mlp(x, version.views["gate_up"], version.views["down"], ACT)
             else:
-                got = version.forward(x, ACT)
+                got = expert_mlp(x, *quant.dequantize(version.views, version.meta, x.dtype), ACT)
             assert torch.isfinite(got).all(), "read a poisoned (partially written) slot"
             torch.testing.assert_close(got, reference_output(x, layer, e, version.precision), rtol=0, atol=0)
         manager.release(layer, list(resolved))
@@ -390,7 +389,8 @@ def test_prepare_writes_a_cache_that_later_loads_reuse_and_a_changed_checkpoint_
 ):
     import shutil
 
-    from moetide.store.prepare import cache_file, prepare
+    from moetide.models.prepare import prepare
+    from moetide.store.prepare import cache_file
 
     path = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoints["olmoe"][0], path)

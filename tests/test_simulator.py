@@ -5,13 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moetide.analysis.simulator import (
+    SimulatedExpertCache,
+    VirtualClock,
+    layer_capacities,
+    profile_prefetch_distance,
+    simulate,
+)
+from moetide.analysis.synthetic import synthetic_trace
+from moetide.analysis.trace import STEP_DECODE, Trace, TraceMeta
 from moetide.policies.base import PolicyBase
 from moetide.policies.baselines import LRUSpeculativePolicy, OnDemandPolicy
 from moetide.policies.dynaexq import DynaExqScheduler
-from moetide.policies.finemoe import FineMoEPolicy, profile_prefetch_distance
-from moetide.policies.simulator import SimulatedExpertCache, VirtualClock, layer_capacities, simulate
-from moetide.policies.synthetic import synthetic_trace
-from moetide.policies.trace import STEP_DECODE, Trace, TraceMeta
+from moetide.policies.finemoe import FineMoEPolicy
 
 
 def hand_trace(per_step: list[list[int]], J: int = 4, spec: list[list[int]] | None = None) -> Trace:
@@ -179,7 +185,7 @@ def test_the_engine_replaying_real_routing_hits_what_the_simulator_predicts(tmp_
     from moetide.engine.llm import demo_model_path
     from moetide.policies.baselines import OnDemandPolicy
     from moetide.policies.finemoe import FineMoEPolicy
-    from moetide.policies.simulator import TraceSimulator
+    from moetide.analysis.simulator import TraceSimulator
 
     path = tmp_path / "trace.safetensors"
     trace = record_heldout_trace(demo_model_path(), path, num_prompts=16, output_len=12, max_input_len=48)

@@ -207,7 +207,7 @@ def _extra_commands():
     """Sub-commands that live beside their subsystem (prepare, serve, bench, eval)."""
     registrars = []
     for module, attr in (
-        ("moetide.store.prepare", "register_cli"),
+        ("moetide.models.prepare", "register_cli"),
         ("moetide.serve.cli", "register_cli"),
         ("moetide.bench.cli", "register_cli"),
         ("moetide.eval.cli", "register_cli"),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+from .policies.registry import POLICY_NAMES
 
 _UNITS = {
     "": 1,
@@ -26,17 +27,7 @@ _UNITS = {
     "tib": 1024**4,
 }
 
-POLICIES = (
-    "combined",
-    "finemoe",
-    "dynaexq",
-    "on-demand",
-    "lru",
-    "moe-infinity",
-    "static-int4",
-    "static-int2",
-    "no-offload",
-)
+POLICIES = POLICY_NAMES  # every --policy name, declared once in policies/registry.py
 PRECISIONS = ("hi", "int4", "int2")
 LO_KERNELS = ("auto", "dequant", "triton")
 
@@ -107,7 +98,7 @@ class EngineConfig:
         searcher: where FineMoE's map searcher runs (finemoe, combined): "process" (the default: its
             own process, fed through shared memory; the forward thread only copies observations
             in and decisions out) or "thread" (a thread of the engine's process, which shares the
-            GIL with the forward thread; BENCHMARKS.md section 5 compares them).
+            GIL with the forward thread; BENCHMARKS.md compares them).
     """
 
     model: str

@@ -145,8 +145,8 @@ def cmd_bench(args) -> int:
         lo_precision=args.lo_precision,
         on_miss=args.on_miss,
         prefetch_distance=args.prefetch_distance,
-        precision_options=precision_options_from_args(args),
         seed=args.seed,
+        **precision_options_from_args(args),
         out=args.out,
         command="moetide " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )

@@ -1,6 +1,6 @@
 """Trace-driven benchmarks: routing recorded on a real model, replayed onto a model with real expert sizes.
 
-A trace (`policies.trace`) holds, per forward step, the top-k experts every token picked at every
+A trace (`analysis.trace`) holds, per forward step, the top-k experts every token picked at every
 layer. `TraceReplay` makes a live model route exactly that way: a forward hook on each router
 *instance* (`mlp.<adapter.router_attr>`, no class patching) replaces the router's output
 `(logits (T, J), weights (T, k), ids (T, k))` with
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..policies.trace import STEP_PREFILL, Trace
+from ..analysis.trace import STEP_PREFILL, Trace
 from .workload import BenchRequest
 
 
@@ -234,8 +234,8 @@ def record_heldout_trace(
 
     from ..models.checkpoint import load_tokenizer
     from ..models.registry import get_adapter
-    from ..policies.trace import record_trace
-    from ..policies.workload import encode_requests, heldout_conversations
+    from ..analysis.trace import record_trace
+    from ..analysis.workload import encode_requests, heldout_conversations
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
     if hasattr(model, "set_experts_implementation"):

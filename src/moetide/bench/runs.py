@@ -11,6 +11,11 @@ Per request: TTFT (arrival -> first token), TPOT (mean gap between later tokens)
 last token, so E2E = TTFT + (n - 1) x TPOT). Tokens are generated greedily with EOS ignored, so every request produces exactly its
 output length. The engine warms up on a batch of short requests before measuring (CUDA kernels,
 Triton compilation); residency metrics and the CUDA peak-memory counter are reset after the warm-up.
+
+Batch-1 decode (`bench_moetide`, `bench_hf`, used by scripts/bench_offload.py): one policy or one
+transformers baseline, one warm-up request as long as the timed one, then decode tok/s of the timed
+request (first token excluded), TPOT, TTFT, peak device memory and, for moetide, the residency
+metrics and a third pass with every step timed between device syncs.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig
+from ..config import EngineConfig, parse_bytes
 from ..errors import ConfigError, MoetideError
 from .stats import summarize
 from .workload import BenchRequest
@@ -164,63 +169,21 @@ def run_moetide(
     try:
         if trace is not None:
             replay = TraceReplay(loaded.model, loaded.adapter, trace)
-        if warmup_requests:
-            drive_engine(engine, warmup_requests, closed_loop=trace is not None)
-        else:
-            if replay is not None:
-                replay.enabled = False
-            # a full batch of short requests: the batch's shapes are compiled before measuring
-            batch = requests[: config.max_num_seqs]
-            drive_engine(engine, [BenchRequest(r.prompt_ids[:16], 2) for r in batch])
-            if replay is not None:
-                replay.enabled = True
+        _warm_up(engine, replay, requests[: config.max_num_seqs], warmup_requests)
         _sync()
         peak_with_load = _peak_bytes()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        metrics = loaded.runtime.metrics
-        metrics.reset()
+        loaded.runtime.metrics.reset()
         records, duration = drive_engine(engine, requests, online=online, closed_loop=trace is not None)
         _sync()
-        residency = loaded.runtime.residency
-        plan = getattr(residency, "plan", None)
-        snapshot = metrics.snapshot(
-            residency.resident_counts() if hasattr(residency, "resident_counts") else None
+        result = _moetide_result(config, loaded, engine, load_s)
+        result.update(
+            summary=summarize(records, duration),
+            peak_gpu_bytes=_peak_bytes(),
+            peak_gpu_bytes_with_load=peak_with_load,
+            requests=records,
         )
-        result = {
-            "engine": "moetide",
-            "policy": config.policy,
-            "budget_bytes": config.gpu_memory_bytes,
-            "device": str(loaded.device),
-            "dtype": str(loaded.dtype).removeprefix("torch."),
-            "load_s": load_s,
-            "engine_options": {
-                "on_miss": config.on_miss,
-                "prefetch_distance": config.prefetch_distance,
-                "hi_precision": config.hi_precision,
-                "host_versions": list(config.host_versions) if config.host_versions is not None else None,
-                "lo_kernel": config.lo_kernel,
-                "cuda_graphs": config.cuda_graphs,
-                "searcher": config.searcher,
-                # the largest decode batch the fused lo kernel computes (0: dequant everywhere)
-                "lo_kernel_max_tokens": loaded.runtime.lowbit_max_tokens
-                if loaded.runtime.lowbit_kernel
-                else 0,
-            },
-            "cuda_graph_stats": engine.runner.graph_stats(),
-            "plan": plan.describe() if plan is not None else None,
-            "hi_slots": plan.hi_slots if plan is not None else None,
-            "lo_slots": plan.lo_slots if plan is not None else None,
-            "fixed_bytes": plan.fixed.total if plan is not None else None,
-            "summary": summarize(records, duration),
-            "metrics": snapshot,
-            "policy_stats": loaded.policy.stats()
-            if loaded.policy is not None and hasattr(loaded.policy, "stats")
-            else {},
-            "peak_gpu_bytes": _peak_bytes(),
-            "peak_gpu_bytes_with_load": peak_with_load,
-            "requests": records,
-        }
         if replay is not None:
             result["replay"] = replay.stats()
         return result
@@ -230,6 +193,56 @@ def run_moetide(
         close_engine(loaded)
         del loaded, engine
         free_device()
+
+
+def _warm_up(engine, replay, batch: list[BenchRequest], warmup_requests) -> None:
+    """A trace replay's warm-up requests (they consume the trace's first steps), else a full batch of
+    short requests with the replay off: the batch's shapes are compiled before measuring."""
+    if warmup_requests:
+        drive_engine(engine, warmup_requests, closed_loop=replay is not None)
+        return
+    if replay is not None:
+        replay.enabled = False
+    drive_engine(engine, [BenchRequest(r.prompt_ids[:16], 2) for r in batch])
+    if replay is not None:
+        replay.enabled = True
+
+
+def _moetide_result(config: EngineConfig, loaded, engine, load_s: float) -> dict:
+    """What a moetide run records besides its requests: options, memory plan, metrics, policy stats."""
+    residency = loaded.runtime.residency
+    plan = getattr(residency, "plan", None)
+    snapshot = loaded.runtime.metrics.snapshot(
+        residency.resident_counts() if hasattr(residency, "resident_counts") else None
+    )
+    return {
+        "engine": "moetide",
+        "policy": config.policy,
+        "budget_bytes": config.gpu_memory_bytes,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "load_s": load_s,
+        "engine_options": {
+            "on_miss": config.on_miss,
+            "prefetch_distance": config.prefetch_distance,
+            "hi_precision": config.hi_precision,
+            "host_versions": list(config.host_versions) if config.host_versions is not None else None,
+            "lo_kernel": config.lo_kernel,
+            "cuda_graphs": config.cuda_graphs,
+            "searcher": config.searcher,
+            # the largest decode batch the fused lo kernel computes (0: dequant everywhere)
+            "moe_kernel": "fused" if loaded.runtime.fused is not None else "reference",
+        },
+        "cuda_graph_stats": engine.runner.graph_stats(),
+        "plan": plan.describe() if plan is not None else None,
+        "hi_slots": plan.hi_slots if plan is not None else None,
+        "lo_slots": plan.lo_slots if plan is not None else None,
+        "fixed_bytes": plan.fixed.total if plan is not None else None,
+        "metrics": snapshot,
+        "policy_stats": loaded.policy.stats()
+        if loaded.policy is not None and hasattr(loaded.policy, "stats")
+        else {},
+    }
 
 
 class _TokenTimes:
@@ -263,62 +276,24 @@ def run_hf(
     (the rest on the CPU, copied every forward): the slow baseline. None: fully on the device.
     Per request TTFT/TPOT/E2E come from a streamer's timestamps of each generated step.
     """
-    from transformers import AutoModelForCausalLM
-
-    from ..models.checkpoint import load_config
-    from ..models.loader import resolve_device, resolve_dtype
+    from ..models.loader import resolve_device
 
     dev = resolve_device(device)
     if offload_budget_bytes is not None and dev.type != "cuda":
         raise ConfigError("hf-offload needs CUDA (accelerate offloads from the host to a GPU)")
-    cfg = load_config(Path(path))
-    dtype = resolve_dtype("auto", cfg, dev)
-    kwargs: dict = {"dtype": dtype}
-    if offload_budget_bytes is not None:
-        kwargs.update(device_map="auto", max_memory={dev.index or 0: offload_budget_bytes, "cpu": 200 << 30})
-    elif dev.type == "cuda":
-        kwargs["device_map"] = str(dev)
     free_device()
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
-    load_s = time.perf_counter() - t0
-    if offload_budget_bytes is None and dev.type == "cpu":
-        model.to(dev)
+    model, cfg, dtype, load_s = _load_hf(path, dev, offload_budget_bytes)
     pad = cfg.pad_token_id if isinstance(cfg.pad_token_id, int) else 0
     in_dev = torch.device("cuda", dev.index or 0) if dev.type == "cuda" else dev
-
-    def generate(chunk: list[BenchRequest], streamer=None):
-        width = max(len(r.prompt_ids) for r in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for i, r in enumerate(chunk):
-            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[i, width - len(r.prompt_ids) :] = 1
-        n = max(r.output_len for r in chunk)
-        with torch.inference_mode():
-            model.generate(
-                input_ids=ids.to(in_dev),
-                attention_mask=mask.to(in_dev),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=None,
-                streamer=streamer,
-            )
-
     try:
         # warm-up. transformers' attention may be cuDNN's, which builds a graph per (batch, query, KV)
         # shape on first use, so on the GPU the first batch runs whole, untimed: the measured run then
         # reuses those shapes (a steady state, the baseline's best case). hf-offload (~1 s per token)
         # and the CPU get the short warm-up.
         full = offload_budget_bytes is None and torch.cuda.is_available()
-        warm = (
-            requests[:batch_size]
-            if full
-            else [BenchRequest(r.prompt_ids[:16], 2) for r in requests[:batch_size]]
-        )
-        generate(warm)
+        first = requests[:batch_size]
+        warm = first if full else [BenchRequest(r.prompt_ids[:16], 2) for r in first]
+        _hf_generate(model, warm, pad, in_dev)
         _sync()
         peak_with_load = _peak_bytes()
         if torch.cuda.is_available():
@@ -328,27 +303,14 @@ def run_hf(
         for b in range(0, len(requests), batch_size):
             chunk = requests[b : b + batch_size]
             streamer = _TokenTimes()
-            generate(chunk, streamer)
+            _hf_generate(model, chunk, pad, in_dev, streamer)
             _sync()
-            t = streamer.times
-            for r in chunk:  # offline: every request of the run arrived at `start`
-                n = min(r.output_len, len(t))
-                records.append(
-                    {
-                        "arrival_s": 0.0,
-                        "prompt_len": len(r.prompt_ids),
-                        "output_len": n,
-                        "requested_output_len": r.output_len,
-                        "finish_reason": "length",
-                        "ttft_s": t[0] - start if t else None,
-                        "tpot_s": (t[n - 1] - t[0]) / (n - 1) if n > 1 else None,
-                        "e2e_s": t[n - 1] - start if n else None,
-                    }
-                )
+            records += _hf_records(chunk, streamer.times, start)
         duration = time.perf_counter() - start
+        name = "hf-offload" if offload_budget_bytes is not None else "hf"
         return {
-            "engine": "hf-offload" if offload_budget_bytes is not None else "hf",
-            "policy": "hf-offload" if offload_budget_bytes is not None else "hf",
+            "engine": name,
+            "policy": name,
             "budget_bytes": offload_budget_bytes,
             "device": str(dev),
             "dtype": str(dtype).removeprefix("torch."),
@@ -359,5 +321,213 @@ def run_hf(
             "requests": records,
         }
     finally:
-        model = None  # the closure above holds the name; dropping the module frees the device
+        model = None  # dropping the module frees the device
         free_device()
+
+
+def _load_hf(path, dev: torch.device, offload_budget_bytes: int | None):
+    """transformers' model on `dev` (or offloaded by accelerate under the cap): (model, config, dtype,
+    load seconds)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..models.checkpoint import load_config
+    from ..models.loader import resolve_dtype
+
+    cfg = load_config(Path(path))
+    dtype = resolve_dtype("auto", cfg, dev)
+    kwargs: dict = {"dtype": dtype}
+    if offload_budget_bytes is not None:
+        kwargs.update(device_map="auto", max_memory={dev.index or 0: offload_budget_bytes, "cpu": 200 << 30})
+    elif dev.type == "cuda":
+        kwargs["device_map"] = str(dev)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    load_s = time.perf_counter() - t0
+    if offload_budget_bytes is None and dev.type == "cpu":
+        model.to(dev)
+    return model, cfg, dtype, load_s
+
+
+def _hf_generate(model, chunk: list[BenchRequest], pad: int, in_dev: torch.device, streamer=None) -> None:
+    """Greedy `generate` of one left-padded batch, exactly the longest output length for every row."""
+    width = max(len(r.prompt_ids) for r in chunk)
+    ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(chunk), width), dtype=torch.long)
+    for i, r in enumerate(chunk):
+        ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask[i, width - len(r.prompt_ids) :] = 1
+    n = max(r.output_len for r in chunk)
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids.to(in_dev),
+            attention_mask=mask.to(in_dev),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=None,
+            streamer=streamer,
+        )
+
+
+def _hf_records(chunk: list[BenchRequest], t: list[float], start: float) -> list[dict]:
+    """Per-request records from the step timestamps `t` of one batch (offline: all arrived at `start`)."""
+    records = []
+    for r in chunk:
+        n = min(r.output_len, len(t))
+        records.append(
+            {
+                "arrival_s": 0.0,
+                "prompt_len": len(r.prompt_ids),
+                "output_len": n,
+                "requested_output_len": r.output_len,
+                "finish_reason": "length",
+                "ttft_s": t[0] - start if t else None,
+                "tpot_s": (t[n - 1] - t[0]) / (n - 1) if n > 1 else None,
+                "e2e_s": t[n - 1] - start if n else None,
+            }
+        )
+    return records
+
+
+# -- batch-1 decode ----------------------------------------------------------------------------------------
+def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (length,), generator=g).tolist()
+
+
+def bench_moetide(
+    path,
+    policy: str,
+    gpu_memory: str | None,
+    *,
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    device: str | None = None,
+    warmup_tokens: int | None = None,
+    **engine_kwargs,
+) -> dict:
+    """Decode speed of one moetide policy at batch 1.
+
+    The timed request is preceded by an untimed one of `warmup_tokens` new tokens (default: as many
+    as the timed one), so costs paid once per sequence length (the allocator's first blocks of each
+    KV size, first launches) fall outside the measurement: on the H200 a shorter warm-up left the
+    first configuration of a process 3x slower than the same configuration run again (run 7)."""
+    import moetide
+
+    free_device()
+    start = time.perf_counter()
+    llm = moetide.LLM(path, device=device, policy=policy, gpu_memory=gpu_memory, **engine_kwargs)
+    load_s = time.perf_counter() - start
+    vocab = llm.loaded.config.vocab_size
+    ids = prompt_ids(vocab, prompt_len)
+    warmup = new_tokens if warmup_tokens is None else warmup_tokens
+    llm.generate([ids], moetide.SamplingParams(max_tokens=warmup, temperature=0, ignore_eos=True))
+    llm.metrics.reset()
+    out = llm.generate(
+        [prompt_ids(vocab, prompt_len, seed=1)],
+        moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+    )[0]
+    steps_ms = _decode_step_times_ms(llm, prompt_ids(vocab, prompt_len, seed=2), new_tokens)
+    result = {
+        "engine": "moetide",
+        "policy": policy,
+        "gpu_memory": gpu_memory,
+        "budget_bytes": parse_bytes(gpu_memory),
+        "load_s": round(load_s, 2),
+        "ttft_s": out.ttft_s,
+        "tpot_s": out.tpot_s,
+        "decode_tok_s": 1.0 / out.tpot_s if out.tpot_s else None,
+        "new_tokens": len(out.token_ids),
+        "peak_gpu_bytes": _peak_bytes() or 0,
+        # a diagnostic third pass, each engine step timed with a device sync on both sides: are slow
+        # decodes uniformly slow, or a few steps very slow (first-use costs, collection pauses)?
+        "decode_step_ms": {
+            "min": round(min(steps_ms), 3),
+            "p50": round(sorted(steps_ms)[len(steps_ms) // 2], 3),
+            "max": round(max(steps_ms), 3),
+            "all": [round(t, 3) for t in steps_ms],
+        }
+        if steps_ms
+        else None,
+        "metrics": {k: v for k, v in llm.metrics.snapshot().items() if k != "per_layer"},
+        "resident": llm.loaded.runtime.residency.resident_counts(),
+        "plan": getattr(getattr(llm.loaded.runtime.residency, "plan", None), "describe", lambda: None)(),
+        "cuda_graphs": llm.engine.runner.graph_stats(),
+    }
+    llm.close()
+    del llm
+    free_device()
+    return result
+
+
+def _decode_step_times_ms(llm, ids: list[int], new_tokens: int) -> list[float]:
+    """Wall time of every decode step of one batch-1 request (the prefill step excluded), in ms."""
+    import moetide
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    engine = llm.engine
+    engine.add_request(ids, moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    times = []
+    while engine.has_unfinished():
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times[1:]
+
+
+def bench_hf(
+    path,
+    *,
+    offload_budget: str | None = None,
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    experts_implementation: str | None = None,
+) -> dict:
+    """transformers' own `generate`: fully on the GPU, or with accelerate offloading under a cap."""
+    from transformers import AutoModelForCausalLM
+
+    free_device()
+    kwargs = {"dtype": torch.bfloat16}
+    if offload_budget is None:
+        kwargs["device_map"] = "cuda"
+    else:
+        kwargs["device_map"] = "auto"
+        kwargs["max_memory"] = {0: parse_bytes(offload_budget), "cpu": 200 << 30}
+    if experts_implementation:
+        kwargs["experts_implementation"] = experts_implementation
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    load_s = time.perf_counter() - start
+    vocab = model.config.vocab_size
+    ids = torch.tensor([prompt_ids(vocab, prompt_len, seed=1)], device="cuda")
+    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=2)
+    with torch.inference_mode():
+        # warm-up as long as the timed run (see bench_moetide); hf-offload (~1 s/token) keeps it short
+        model.generate(ids, max_new_tokens=2 if offload_budget else new_tokens, **gen)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **gen)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    ttft = t1 - t0
+    tpot = ((t2 - t1) - ttft) / (new_tokens - 1)
+    result = {
+        "engine": "hf-offload" if offload_budget else "hf",
+        "gpu_memory": offload_budget,
+        "experts_implementation": experts_implementation or "default",
+        "load_s": round(load_s, 2),
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "decode_tok_s": 1.0 / tpot if tpot > 0 else None,
+        "new_tokens": new_tokens,
+        "peak_gpu_bytes": _peak_bytes() or 0,
+    }
+    del model
+    free_device()
+    return result

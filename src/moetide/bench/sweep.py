@@ -48,16 +48,31 @@ TRACE_SYNTHETIC_NOTE = (
 BASELINES = ("hf", "hf-offload")
 
 
-@dataclass
-class BenchSpec:
-    """Everything one `moetide bench` invocation sweeps. Lists are swept as a cross product."""
+TEMPLATE_MODEL = "(the swept model)"  # the template's model; each run gets the resolved checkpoint
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
-    model: str | None = None  # checkpoint directory; None = the demo model (unless `synthetic`)
-    synthetic: str | None = None  # a shape of `bench.synthetic.SHAPES`
-    synthetic_dir: str = "/tmp/moetide-synthetic"
+
+@dataclass(init=False)
+class BenchSpec:
+    """Everything one `moetide bench` invocation runs: an `EngineConfig` template, the axes swept
+    over it (a cross product), the workload and where results go.
+
+    Each moetide run is `engine` with its `policy` (a `policy:lo` / `policy:stall` name also sets
+    `on_miss`), `gpu_memory_bytes` (from the `gpu_memory` axis), `max_num_seqs` (the batch size),
+    `max_model_len` and `kv_cache_tokens` (what the batch needs) and `model` (the checkpoint the plan
+    resolved) replaced. Keyword arguments that name an `EngineConfig` field (`device`, `dtype`,
+    `prefetch_distance`, `seed`, `lo_kernel`, ...) set that field of the template.
+    """
+
+    engine: EngineConfig
+    # the axes
     policies: list[str] = field(default_factory=lambda: ["on-demand"])
     gpu_memory: list[str | None] = field(default_factory=lambda: [None])
     batch_sizes: list[int] = field(default_factory=lambda: [1])
+    # the model and the workload
+    model: str | None = None  # checkpoint directory; None = the demo model (unless `synthetic`)
+    synthetic: str | None = None  # a shape of `bench.synthetic.SHAPES`
+    synthetic_dir: str = "/tmp/moetide-synthetic"
     output_len: int = 32
     num_prompts: int | None = None  # None: one batch per run (offline) / 32 requests (online)
     max_input_len: int = 256
@@ -69,17 +84,23 @@ class BenchSpec:
     hf_offload_output_len: int | None = 8
     trace: str | None = None
     trace_warmup: int | None = None
-    device: str | None = None
-    dtype: str = "auto"
-    lo_precision: str = "auto"
-    on_miss: str = "lo"
-    prefetch_distance: int = 2
-    precision_options: dict = field(
-        default_factory=dict
-    )  # EngineConfig's hi_precision, host_versions, lo_kernel
-    seed: int = 0
     out: str = "bench-out"
     command: str = ""
+
+    def __init__(self, engine: EngineConfig | None = None, **kwargs) -> None:
+        template = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_FIELDS and k != "model"}
+        own = {f.name: f for f in dataclasses.fields(self) if f.name != "engine"}
+        unknown = sorted(set(kwargs) - set(own))
+        if unknown:
+            raise TypeError(f"BenchSpec got unknown field(s): {', '.join(unknown)}")
+        self.engine = dataclasses.replace(engine or EngineConfig(model=TEMPLATE_MODEL), **template)
+        for name, f in own.items():
+            if name in kwargs:
+                value = kwargs[name]
+            else:
+                value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            setattr(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if self.mode not in ("offline", "online"):
@@ -160,7 +181,7 @@ class Plan:
 def _prompts(spec: BenchSpec, model_path: Path, count: int, synthetic: bool, vocab: int) -> list[list[int]]:
     if synthetic:
         return random_prompts(
-            demo_prompt_lengths(count, spec.max_input_len, spec.prompts_file), vocab, spec.seed
+            demo_prompt_lengths(count, spec.max_input_len, spec.prompts_file), vocab, spec.engine.seed
         )
     from ..models.checkpoint import load_tokenizer
 
@@ -168,90 +189,105 @@ def _prompts(spec: BenchSpec, model_path: Path, count: int, synthetic: bool, voc
 
 
 def plan_sweep(spec: BenchSpec, progress: bool = True) -> Plan:
-    from ..engine.llm import demo_model_path
+    """Resolve the model, build the requests per batch size and list the runs."""
     from ..models.checkpoint import load_config
 
     notes: list[str] = []
-    trace = None
-    if spec.trace is not None:
-        from ..policies.trace import Trace
-
-        if not Path(spec.trace).is_file():
-            raise ConfigError(f"--trace {spec.trace}: no such file (record one with --record-trace)")
-        trace = Trace.load(spec.trace)
-        notes.append(TRACE_NOTE)
-    if spec.synthetic is not None:
-        from .replay import trace_geometry_overrides
-        from .synthetic import SHAPES
-
-        overrides = {}
-        if trace is not None and spec.synthetic in SHAPES:
-            overrides = trace_geometry_overrides(SHAPES[spec.synthetic]["model_type"], trace)
-        model_path = ensure_synthetic(spec.synthetic, spec.synthetic_dir, overrides, progress)
-        notes.append(SYNTHETIC_NOTE if trace is None else TRACE_SYNTHETIC_NOTE)
-    else:
-        model_path = Path(spec.model).expanduser() if spec.model else demo_model_path()
-    cfg = load_config(model_path)
-    vocab = cfg.vocab_size
-    requests: dict[int, list[BenchRequest]] = {}
+    trace = _load_trace(spec, notes)
+    model_path = _resolve_model(spec, trace, notes, progress)
+    vocab = load_config(model_path).vocab_size
     warmup = None
     if trace is not None:
-        from .replay import trace_requests
+        requests, warmup, trace = _trace_requests(spec, trace, vocab, notes)
+    else:
+        requests = _workload_requests(spec, model_path, vocab)
+    run_list = _run_list(spec, baselines=trace is None and spec.mode == "offline")
+    if spec.baselines and (trace is not None or spec.mode == "online"):
+        notes.append("transformers baselines run offline without trace replay only; skipped")
+    return Plan(model_path, vocab, run_list, requests, warmup, trace, notes)
 
-        all_requests, trace = trace_requests(trace, vocab, seed=spec.seed)
-        n_warm = spec.trace_warmup if spec.trace_warmup is not None else max(1, len(all_requests) // 4)
-        n_warm = min(n_warm, len(all_requests) - 1)
-        measured = all_requests[n_warm:]
-        if spec.num_prompts is not None:
-            measured = measured[: spec.num_prompts]
-        warmup = all_requests[:n_warm] or None
-        requests[1] = measured
-        notes.append(
-            f"trace: {len(all_requests)} requests, the first {n_warm} replayed as warm-up (not measured);"
-            " requests run one at a time (closed loop)"
-        )
-    elif spec.mode == "online":
+
+def _load_trace(spec: BenchSpec, notes: list[str]):
+    if spec.trace is None:
+        return None
+    from ..analysis.trace import Trace
+
+    if not Path(spec.trace).is_file():
+        raise ConfigError(f"--trace {spec.trace}: no such file (record one with --record-trace)")
+    notes.append(TRACE_NOTE)
+    return Trace.load(spec.trace)
+
+
+def _resolve_model(spec: BenchSpec, trace, notes: list[str], progress: bool) -> Path:
+    """The checkpoint to run: --model, the demo model, or a synthetic shape written on first use
+    (with a trace, in the trace's routing geometry)."""
+    if spec.synthetic is None:
+        from ..engine.llm import demo_model_path
+
+        return Path(spec.model).expanduser() if spec.model else demo_model_path()
+    from .replay import trace_geometry_overrides
+    from .synthetic import SHAPES
+
+    overrides = {}
+    if trace is not None and spec.synthetic in SHAPES:
+        overrides = trace_geometry_overrides(SHAPES[spec.synthetic]["model_type"], trace)
+    notes.append(SYNTHETIC_NOTE if trace is None else TRACE_SYNTHETIC_NOTE)
+    return ensure_synthetic(spec.synthetic, spec.synthetic_dir, overrides, progress)
+
+
+def _trace_requests(spec: BenchSpec, trace, vocab: int, notes: list[str]):
+    """({1: measured requests}, warm-up requests, the trace) for a trace replay."""
+    from .replay import trace_requests
+
+    all_requests, trace = trace_requests(trace, vocab, seed=spec.engine.seed)
+    n_warm = spec.trace_warmup if spec.trace_warmup is not None else max(1, len(all_requests) // 4)
+    n_warm = min(n_warm, len(all_requests) - 1)
+    measured = all_requests[n_warm:]
+    if spec.num_prompts is not None:
+        measured = measured[: spec.num_prompts]
+    notes.append(
+        f"trace: {len(all_requests)} requests, the first {n_warm} replayed as warm-up (not measured);"
+        " requests run one at a time (closed loop)"
+    )
+    return {1: measured}, all_requests[:n_warm] or None, trace
+
+
+def _workload_requests(spec: BenchSpec, model_path: Path, vocab: int) -> dict[int, list[BenchRequest]]:
+    """The requests of each batch size: one batch (offline), or the same arrivals for every size (online)."""
+    synthetic, seed = spec.synthetic is not None, spec.engine.seed
+    if spec.mode == "online":
         if spec.arrivals is not None:
             rows = read_arrivals_csv(spec.arrivals)
             rows = rows[: spec.num_prompts] if spec.num_prompts else rows
-            prompts = _prompts(spec, model_path, len(rows), spec.synthetic is not None, vocab)
-            reqs = requests_from_arrivals(prompts, rows)
+            reqs = requests_from_arrivals(_prompts(spec, model_path, len(rows), synthetic, vocab), rows)
         else:
             n = spec.num_prompts or 32
-            prompts = _prompts(spec, model_path, n, spec.synthetic is not None, vocab)
-            reqs = build_requests(prompts, spec.output_len, poisson_arrivals(n, spec.rate, spec.seed))
-        for bs in spec.batch_sizes:
-            requests[bs] = reqs
-    else:
-        n_max = max(spec.num_prompts or bs for bs in spec.batch_sizes)
-        prompts = _prompts(spec, model_path, n_max, spec.synthetic is not None, vocab)
-        for bs in spec.batch_sizes:
-            requests[bs] = build_requests(prompts[: spec.num_prompts or bs], spec.output_len)
+            prompts = _prompts(spec, model_path, n, synthetic, vocab)
+            reqs = build_requests(prompts, spec.output_len, poisson_arrivals(n, spec.rate, seed))
+        return dict.fromkeys(spec.batch_sizes, reqs)
+    n_max = max(spec.num_prompts or bs for bs in spec.batch_sizes)
+    prompts = _prompts(spec, model_path, n_max, synthetic, vocab)
+    return {bs: build_requests(prompts[: spec.num_prompts or bs], spec.output_len) for bs in spec.batch_sizes}
 
+
+def _run_list(spec: BenchSpec, baselines: bool) -> list[dict]:
+    """The cross product batch size x budget x policy, each batch size's baselines after it."""
     run_list = []
     for bs in spec.batch_sizes:
         for budget in spec.gpu_memory:
             for policy in spec.policies:
+                run = {"engine": "moetide", "policy": policy, "gpu_memory": budget, "batch_size": bs}
+                run_list.append(run)
+        if not baselines:
+            continue
+        if "hf" in spec.baselines:
+            run_list.append({"engine": "hf", "policy": "hf", "gpu_memory": None, "batch_size": bs})
+        if "hf-offload" in spec.baselines:
+            for budget in (b for b in spec.gpu_memory if b is not None):
                 run_list.append(
-                    {"engine": "moetide", "policy": policy, "gpu_memory": budget, "batch_size": bs}
+                    {"engine": "hf-offload", "policy": "hf-offload", "gpu_memory": budget, "batch_size": bs}
                 )
-        if trace is None and spec.mode == "offline":
-            if "hf" in spec.baselines:
-                run_list.append({"engine": "hf", "policy": "hf", "gpu_memory": None, "batch_size": bs})
-            if "hf-offload" in spec.baselines:
-                for budget in spec.gpu_memory:
-                    if budget is not None:
-                        run_list.append(
-                            {
-                                "engine": "hf-offload",
-                                "policy": "hf-offload",
-                                "gpu_memory": budget,
-                                "batch_size": bs,
-                            }
-                        )
-    if spec.baselines and (trace is not None or spec.mode == "online"):
-        notes.append("transformers baselines run offline without trace replay only; skipped")
-    return Plan(model_path, vocab, run_list, requests, warmup, trace, notes)
+    return run_list
 
 
 def run_name(run: dict) -> str:
@@ -266,19 +302,14 @@ def _engine_config(spec: BenchSpec, plan: Plan, run: dict) -> EngineConfig:
         max_len = max(max_len, *(len(r.prompt_ids) + r.output_len + 1 for r in plan.warmup_requests))
     bs = run["batch_size"]
     policy, on_miss = split_policy(run["policy"]) if run["engine"] == "moetide" else ("on-demand", None)
-    base = EngineConfig(
+    base = dataclasses.replace(
+        spec.engine,
         model=str(plan.model_path),
-        device=spec.device,
-        dtype=spec.dtype,
         policy=policy,
-        lo_precision=spec.lo_precision,
-        on_miss=on_miss or spec.on_miss,
-        prefetch_distance=spec.prefetch_distance,
+        on_miss=on_miss or spec.engine.on_miss,
         max_num_seqs=bs,
         max_model_len=max_len,
         kv_cache_tokens=bs * max_len,  # what this batch needs, reserved inside the budget
-        seed=spec.seed,
-        **spec.precision_options,
     )
     return dataclasses.replace(base, gpu_memory_bytes=resolve_budget(run["gpu_memory"], base))
 
@@ -308,7 +339,7 @@ def execute(spec: BenchSpec, plan: Plan, run: dict) -> dict:
                 plan.model_path,
                 reqs,
                 run["batch_size"],
-                device=spec.device,
+                device=spec.engine.device,
                 offload_budget_bytes=config.gpu_memory_bytes if run["engine"] == "hf-offload" else None,
             )
         result.update({k: v for k, v in out.items() if k not in ("engine", "policy")})

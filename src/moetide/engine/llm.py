@@ -8,8 +8,9 @@ from pathlib import Path
 from ..config import EngineConfig, parse_bytes
 from ..errors import ConfigError
 from ..models.checkpoint import inspect_checkpoint, load_tokenizer
-from ..models.loader import LoadedModel, load_model, resolve_device
+from ..models.loader import LoadedModel, resolve_device
 from ..residency import MAX_PREFILL_TOKENS
+from .assemble import load_model
 from .llm_engine import LLMEngine
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -54,9 +55,6 @@ def kv_cache_tokens(config: EngineConfig, loaded: LoadedModel) -> int | None:
     return plan.fixed.kv_cache_tokens if plan is not None else config.kv_cache_tokens
 
 
-PREDICTIVE_POLICIES = ("finemoe", "lru", "moe-infinity", "dynaexq", "combined")
-
-
 def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     """Build the policy object for `config.policy` and hook it to the model and the residency core.
 
@@ -67,16 +65,20 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     """
     from ..policies import make_policy
     from ..policies.hooks import PolicyHooks
+    from ..policies.registry import policy_spec
 
+    spec = policy_spec(config.policy)
     residency = loaded.runtime.residency
-    if config.policy not in PREDICTIVE_POLICIES or not hasattr(residency, "plan"):
+    if not spec.predicts or not hasattr(residency, "plan"):
         return
     if residency.options.mode == "all-hi":
         return  # no cap given and every expert fits in hi: nothing to prefetch or requantize
     layers = len(loaded.moe_layers)
     experts = loaded.store.num_experts
-    share = 1.0 if config.policy == "dynaexq" else 0.5
-    n_hi = min(experts, int(residency.plan.hi_slots * share) // layers)
+    # DynaExq's hot set gets its share of the hi slots (PolicySpec.hi_share); the rest is FineMoE's
+    n_hi = None
+    if spec.hi_share is not None:
+        n_hi = min(experts, int(residency.plan.hi_slots * spec.hi_share) // layers)
     policy = make_policy(
         config.policy,
         prefetch_distance=config.prefetch_distance,
@@ -85,8 +87,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         searcher=config.searcher,
     )
     loaded.policy = policy
-    eviction = getattr(policy, "preferred_eviction", "lru")  # FineMoE (and combined): prob-freq
-    residency.options = replace(residency.options, eviction=eviction)
+    residency.options = replace(residency.options, eviction=spec.eviction)
     loaded.policy_hooks = PolicyHooks(
         loaded.model, loaded.adapter, [policy], sink=residency, runtime=loaded.runtime
     )

@@ -107,11 +107,6 @@ class BatchKVCache:
                 layer.keys = layer.keys[..., lead:, :]
                 layer.values = layer.values[..., lead:, :]
 
-    def kv_bytes(self) -> int:
-        """Bytes of KV held: the fixed buffers (all their columns) while decoding from them."""
-        layers = self.static.cache.layers if self.static is not None else _cache_layers(self.cache)
-        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in layers)
-
 
 class ModelRunner:
     """Runs transformers' model (with managed experts) for prefill and decode steps."""

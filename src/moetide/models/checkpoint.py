@@ -35,9 +35,6 @@ class CheckpointInfo:
     adapter: FamilyAdapter
     shards: tuple[ShardInfo, ...]
 
-    def tensor_names(self) -> list[str]:
-        return [name for shard in self.shards for name in shard.tensors]
-
 
 def read_shard_header(path: Path) -> ShardInfo:
     """Parse a safetensors header and check every tensor's bytes lie inside the file.

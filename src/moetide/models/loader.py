@@ -1,12 +1,16 @@
-"""Build transformers' own model without weights, swap in managed experts, load the rest.
+"""Build transformers' own model without weights and load the checkpoint: experts to the host store.
 
 Steps (peak host memory ≈ the expert store + one tensor; never the model twice):
   1. `inspect_checkpoint`: config, family adapter, shard headers checked.
   2. Build the model with parameters on the meta device (buffers such as rotary tables are real).
-  3. Replace `mlp.experts` on every MoE block instance with a `ManagedExperts` (no class patching).
+  3. Replace `mlp.experts` on every MoE block instance with an `ExpertsInHostStore` placeholder
+     (no weights, no class patching).
   4. Stream every tensor from the shards one at a time: routed-expert tensors into the host expert
      store, everything else onto the compute device in the compute dtype.
-  5. Tie weights, check nothing is left on meta, hook the embedding layer and routers.
+  5. Tie weights, check nothing is left on meta.
+
+This module loads and describes; it builds no runtime. `engine/assemble.py` swaps the placeholders
+for the managed experts module and attaches the residency and the hooks.
 """
 
 from __future__ import annotations
@@ -18,9 +22,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..compute.runtime import ExpertRuntime, ManagedExperts
 from ..errors import CheckpointError
-from ..residency.metrics import ExpertMetrics
 from ..store.host_store import ExpertShape, HostExpertStore
 from .checkpoint import CheckpointInfo, inspect_checkpoint
 from .registry import FamilyAdapter
@@ -30,16 +32,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class LoadedModel:
-    """A ready model: transformers' module tree with managed experts, plus moetide's runtime."""
+    """transformers' module tree with its weights placed and its experts in the host store; the
+    engine fills in the runtime (`engine/assemble.py`) and the policy (`engine/llm.attach_policy`)."""
 
     model: nn.Module
     info: CheckpointInfo
     store: HostExpertStore
-    runtime: ExpertRuntime
     moe_layers: list[int]  # decoder-layer index of each MoE layer, in order
     device: torch.device
     dtype: torch.dtype
-    policy: object = None  # the policy object, for predictive policies (engine.llm.attach_policy)
+    act_fn: object  # the experts' activation, taken from transformers' experts module
+    runtime: object = None  # the ExpertRuntime, once assembled
+    policy: object = None  # the policy object, for predictive policies
     policy_hooks: object = None
 
     @property
@@ -85,6 +89,18 @@ def moe_blocks(model: nn.Module, adapter: FamilyAdapter) -> list[tuple[int, nn.M
     return blocks
 
 
+class ExpertsInHostStore(nn.Module):
+    """Stands in for a MoE block's experts, whose weights are in the host store, until the engine
+    installs its managed experts module."""
+
+    def __init__(self, layer: int):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        raise RuntimeError(f"MoE layer {self.layer}: its experts are in the host store; assemble the runtime")
+
+
 def build_empty_model(config, dtype: torch.dtype) -> nn.Module:
     """transformers' model for `config` with parameters on meta (buffers real, on the CPU)."""
     from accelerate import init_empty_weights
@@ -118,20 +134,11 @@ def _assign_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None
         module._buffers[param_name] = tensor
 
 
-def load_model(
-    path,
-    *,
-    device: str | torch.device | None = None,
-    dtype: str = "auto",
-    residency_factory=None,
-    progress: bool = True,
+def load_weights(
+    path, *, device: str | torch.device | None = None, dtype: str = "auto", progress: bool = True
 ) -> LoadedModel:
-    """Load a local HF MoE checkpoint through transformers' modeling code with managed experts.
-
-    `residency_factory(store, metrics, device, model, config) -> residency` chooses how experts reach
-    the device; it runs after the non-expert weights are placed (they count in the budget). The
-    default fetches every needed expert on demand (`DirectResidency`).
-    """
+    """Load a local HF MoE checkpoint into transformers' modeling code: non-expert weights on the
+    device in the compute dtype, every routed expert in a host `HostExpertStore`."""
     info = inspect_checkpoint(path)
     config, adapter = info.config, info.adapter
     dev = device if isinstance(device, torch.device) else resolve_device(device)
@@ -143,19 +150,29 @@ def load_model(
         raise CheckpointError(
             f"{info.path}: the model has no MoE blocks with a {adapter.router_attr!r} router"
         )
-    layer_to_moe = {layer_idx: i for i, (layer_idx, _) in enumerate(blocks)}
-    first_experts = blocks[0][1].experts
-    act_fn = first_experts.act_fn
+    act_fn = blocks[0][1].experts.act_fn
     shape = ExpertShape(
         hidden=config.hidden_size, intermediate=adapter.expert_intermediate(config), dtype=compute_dtype
     )
-    num_experts = adapter.num_experts(config)
-    store = HostExpertStore(len(blocks), num_experts, shape, pin_memory=dev.type == "cuda")
-    metrics = ExpertMetrics(len(blocks))
-    runtime = ExpertRuntime(None, metrics, act_fn, num_experts, adapter.top_k(config))
+    store = HostExpertStore(len(blocks), adapter.num_experts(config), shape, pin_memory=dev.type == "cuda")
     for i, (_, block) in enumerate(blocks):
-        block.experts = ManagedExperts(i, runtime)
+        block.experts = ExpertsInHostStore(i)
+    layer_to_moe = {layer_idx: i for i, (layer_idx, _) in enumerate(blocks)}
+    _stream_shards(info, model, store, layer_to_moe, dev, compute_dtype, progress)
+    store.check_complete()
 
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise CheckpointError(f"{info.path}: checkpoint is missing tensor {missing[0]!r}")
+    model.to(dev)  # buffers (rotary tables) follow the parameters
+    return LoadedModel(model, info, store, [i for i, _ in blocks], dev, compute_dtype, act_fn)
+
+
+def _stream_shards(info, model, store, layer_to_moe: dict[int, int], dev, compute_dtype, progress) -> None:
+    """Every tensor of every shard, one at a time: experts into `store`, the rest onto `dev`."""
+    adapter = info.adapter
     total = sum(len(s.tensors) for s in info.shards)
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for shard in info.shards:
@@ -186,24 +203,3 @@ def load_model(
                 f"{shard.path}: corrupt safetensors shard ({type(e).__name__}: {e})"
             ) from None
     bar.close()
-    store.check_complete()
-
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if missing:
-        raise CheckpointError(f"{info.path}: checkpoint is missing tensor {missing[0]!r}")
-    model.to(dev)  # buffers (rotary tables) follow the parameters
-    if residency_factory is None:
-        from ..residency.direct import DirectResidency
-
-        runtime.residency = DirectResidency(store, metrics, dev.type)
-    else:
-        runtime.residency = residency_factory(store, metrics, dev, model, config)
-    _install_hooks(model, blocks, adapter, runtime)
-    return LoadedModel(model, info, store, runtime, [i for i, _ in blocks], dev, compute_dtype)
-
-
-def _install_hooks(model: nn.Module, blocks, adapter: FamilyAdapter, runtime: ExpertRuntime) -> None:
-    """A forward hook (on the instance) on the embedding layer starts each iteration."""
-    model.get_input_embeddings().register_forward_hook(lambda _m, _i, out: runtime.on_embedding(out))

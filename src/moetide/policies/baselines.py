@@ -245,16 +245,3 @@ class MoEInfinityPolicy(PolicyBase):
 
     def stats(self) -> dict:
         return {"eamc_size": self._size, "matches": self.matches, "prefetch_requests": self.prefetches}
-
-
-class HitCountPolicy(MoEInfinityPolicy):
-    """Ablation "Hit-count": request-level counts, FineMoE's framework (top-k at l+d, protected)."""
-
-    name = "hit-count"
-    preferred_eviction = "prob-freq"
-
-    def __init__(self, prefetch_distance: int = 1, eamc_capacity: int = 1000):
-        super().__init__(prefetch_distance, eamc_capacity, per_layer=None, protect_predictions=True)
-
-    def _share(self) -> int:
-        return self.top_k

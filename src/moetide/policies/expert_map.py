@@ -138,10 +138,6 @@ class ExpertMapStore:
         return len(trace)
 
     # -- searches -----------------------------------------------------------------------------------
-    def semantic_scores(self, embedding: torch.Tensor) -> torch.Tensor:
-        """cos(embedding, stored embeddings): (N,)."""
-        return torch.from_numpy(self._semantic_scores_np(embedding))
-
     def _semantic_scores_np(self, embedding: torch.Tensor) -> np.ndarray:
         q = embedding.detach().float().reshape(-1).cpu().numpy()
         q = q / max(float(np.linalg.norm(q)), _EPS)

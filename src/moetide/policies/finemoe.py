@@ -19,15 +19,18 @@ and calls the sink. A search whose target layer the forward pass has already rea
     "thread"   a thread of this process, fed through a `queue.SimpleQueue`; it calls the sink itself
     "inline"   the forward thread runs the handler (the simulator: simulated hit rates reflect this
                exact code); `synchronous=True` means the same
+The engine needs "process" and the simulator "inline". "thread" stays because "process" cannot run
+everywhere: its lock-free rings rely on x86-64's store ordering, so on a weakly ordered CPU (ARM,
+`searcher_process.SUPPORTED`) the engine falls back to the thread. Measured on the H200 (run 19,
+results/history.md §5), the thread costs the decode step 27 % against the process's 11 %, so it is
+never the default where the process runs.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -444,58 +447,3 @@ class FineMoEPolicy(PolicyBase):
             "store_size": store_size,
             "errors": errors,
         }
-
-
-# -- ablation presets (paper Fig. "hit-count -> Map(T) -> Map(T+S) -> Map(T+S+delta)") ---------------
-ABLATIONS: dict[str, dict] = {
-    "map-t": {"use_semantic": False, "use_trajectory": True, "adaptive_delta": False},
-    "map-ts": {"use_semantic": True, "use_trajectory": True, "adaptive_delta": False},
-    "map-ts-delta": {"use_semantic": True, "use_trajectory": True, "adaptive_delta": True},
-}
-
-
-def profile_prefetch_distance(
-    warm_trace,
-    test_trace,
-    capacity_experts: int,
-    *,
-    distances: Sequence[int] | None = None,
-    layer_time_s: float | None = None,
-    transfer_time_s: float | None = None,
-    search_time_s: float = 0.0,
-    config: FineMoEConfig | None = None,
-    **simulate_kwargs,
-) -> dict:
-    """Pick FineMoE's prefetch distance d for a model.
-
-    Simulates FineMoE (store warmed on `warm_trace`, measured on `test_trace`) at each d and picks the
-    d with the best hit rate among the *feasible* ones: when `layer_time_s` (measured compute time of
-    one layer) and `transfer_time_s` (host->device time of one layer's predicted experts) are given, a
-    prefetch issued d layers ahead must arrive in time: d * layer_time_s >= search_time_s +
-    transfer_time_s. Ties go to the smaller d. Returns {"best": d, "min_feasible": d0, "table": [...]}.
-    """
-    from .simulator import simulate
-
-    L = test_trace.meta.num_layers
-    distances = list(distances) if distances is not None else list(range(1, L))
-    min_feasible = 1
-    if layer_time_s is not None and transfer_time_s is not None and layer_time_s > 0:
-        min_feasible = max(1, math.ceil((search_time_s + transfer_time_s) / layer_time_s))
-    base = config or FineMoEConfig()
-    table = []
-    for d in distances:
-        policy = FineMoEPolicy(replace(base, prefetch_distance=d, synchronous=True))
-        policy.warm_up(warm_trace)
-        res = simulate(test_trace, policy, capacity_experts, **simulate_kwargs)
-        table.append(
-            {
-                "d": d,
-                "hit_rate": res.hit_rate,
-                "feasible": d >= min_feasible,
-                "precision": res.precision,
-                "recall": res.recall,
-            }
-        )
-    feasible = [row for row in table if row["feasible"]] or table
-    best = max(feasible, key=lambda row: (row["hit_rate"], -row["d"]))
-    return {"best": best["d"], "min_feasible": min_feasible, "table": table}

@@ -1,7 +1,7 @@
 """Drive `ExpertPolicy` objects from a plain transformers MoE model with forward hooks.
 
-Used to record traces (`trace.record_trace`) and to test policies against real forward passes without
-the engine. Nothing is patched: hooks go on the embedding layer, on each MoE block's router
+The engine attaches its policy through them (`engine/llm.attach_policy`); the offline tools record
+traces with them (`analysis/trace.record_trace`). Nothing is patched: hooks go on the embedding layer, on each MoE block's router
 (`mlp.<adapter.router_attr>`, which returns `(router_logits (T, J), top_k_weights, top_k_index (T, k))`)
 and on the decoder stack (end of a step).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -215,62 +215,3 @@ class PolicyHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-
-@dataclass
-class GenerationResult:
-    """Greedy outputs per request and wall time of every forward step (seconds)."""
-
-    tokens: list[list[int]] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-
-
-@torch.no_grad()
-def greedy_generate(
-    hf_model,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    hooks: PolicyHooks | None = None,
-    eos_token_id: int | None = None,
-    request_id_start: int = 0,
-    continuations: Sequence[Sequence[int]] | None = None,
-) -> GenerationResult:
-    """Greedy decoding, batch 1, with a `DynamicCache`: one forward for the prefill, one per new token.
-
-    `hooks.request_ids` is set to the current request before its first forward. With
-    `continuations` (teacher forcing), request r feeds `continuations[r][i]` as its i-th new token
-    instead of the greedy one and ends when they run out. `tokens` are always the model's greedy
-    predictions.
-    """
-    from transformers import DynamicCache
-
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    device = next(hf_model.parameters()).device
-    # router logits are observed by hooks; asking the model for them would add its aux-loss work
-    extra = {"output_router_logits": False} if hasattr(hf_model.config, "output_router_logits") else {}
-    result = GenerationResult()
-    for r, prompt in enumerate(prompts):
-        if hooks is not None:
-            hooks.request_ids = (request_id_start + r,)
-        cache = DynamicCache(config=hf_model.config)
-        x = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-        out_tokens: list[int] = []
-        for step in range(max_new_tokens):
-            t0 = time.perf_counter()
-            out = hf_model(input_ids=x, past_key_values=cache, use_cache=True, **extra)
-            nxt = int(out.logits[0, -1].argmax())  # NOTE: host sync (a greedy token is needed on the host)
-            result.step_times_s.append(time.perf_counter() - t0)
-            out_tokens.append(nxt)
-            if continuations is not None:
-                if step >= len(continuations[r]):
-                    break
-                fed = int(continuations[r][step])
-            else:
-                fed = nxt
-            if (eos_token_id is not None and fed == eos_token_id) or step == max_new_tokens - 1:
-                break
-            x = torch.tensor([[fed]], dtype=torch.long, device=device)
-        result.tokens.append(out_tokens)
-    return result

@@ -1,6 +1,6 @@
 """Where experts live (device or host) and in which precision: pools, handles, transfers, budget.
 
-`build_residency` maps a policy name onto a memory mode and residency options, sizes `M_fixed`,
+`build_residency` reads the policy's memory mode and options from the policy registry, sizes `M_fixed`,
 splits the rest of the budget into slot pools and preloads what the mode keeps resident.
 """
 
@@ -11,25 +11,13 @@ from tqdm.auto import tqdm
 
 from ..config import EngineConfig
 from ..errors import BudgetError
+from ..policies.registry import policy_spec
 from ..store.host_store import HostExpertStore
 from .budget import BudgetTracker, FixedCosts, MemoryPlan, plan_memory
 from .core import ResidencyManager, ResidencyOptions
 from .direct import DirectResidency
 from .metrics import ExpertMetrics
 from .transfer import CpuTransfer, CudaTransfer
-
-# policy -> (memory mode, needs a lo version)
-POLICY_MODES = {
-    "no-offload": ("all-hi", False),
-    "static-int4": ("all-lo", True),
-    "static-int2": ("all-lo", True),
-    "on-demand": ("hi-cache", False),
-    "lru": ("hi-cache", False),
-    "finemoe": ("hi-cache", False),
-    "moe-infinity": ("hi-cache", False),
-    "dynaexq": ("lo+hi", True),
-    "combined": ("lo+hi", True),
-}
 
 MAX_PREFILL_TOKENS = 1024  # tokens per prefill forward; sizes the activation workspace
 
@@ -42,7 +30,7 @@ def lo_precision_for(
 ) -> str:
     """The lo precision: fixed by static policies, else the config's, else (auto) int4 when every
     expert fits in int4 with a quarter of the expert memory left for the hi cache, else int2."""
-    fixed = {"static-int4": "int4", "static-int2": "int2"}.get(config.policy)
+    fixed = policy_spec(config.policy).lo_precision
     if fixed or config.lo_precision != "auto":
         return fixed or config.lo_precision
     if store is None or expert_room is None:
@@ -129,7 +117,8 @@ def build_residency(
     progress: bool = True,
 ):
     """The residency core for `config.policy` on `device` under `config.gpu_memory_bytes`."""
-    mode, needs_lo = POLICY_MODES[config.policy]
+    spec = policy_spec(config.policy)
+    mode, needs_lo = spec.memory_mode, spec.needs_lo
     budget_bytes = config.gpu_memory_bytes
     if budget_bytes is None:
         if device.type == "cpu" and mode != "all-lo":
@@ -175,8 +164,9 @@ def build_residency(
             config.extra.get("cpu_bandwidth_bytes_per_s"), poison=config.extra.get("poison", False)
         )
     )
-    on_miss = "lo" if config.policy == "dynaexq" else config.on_miss
-    options = ResidencyOptions(mode=mode, lo_precision=lo, on_miss=on_miss, hi_precision=hi_precision)
+    options = ResidencyOptions(
+        mode=mode, lo_precision=lo, on_miss=spec.on_miss or config.on_miss, hi_precision=hi_precision
+    )
     manager = ResidencyManager(store, metrics, plan, tracker, transfer, device, options)
     preload = {"all-hi": "hi", "all-lo": "lo", "lo+hi": "lo"}.get(mode)
     if preload:
@@ -213,7 +203,6 @@ def drop_host_versions(
 
 
 __all__ = [
-    "POLICY_MODES",
     "BudgetTracker",
     "DirectResidency",
     "ExpertMetrics",

@@ -48,14 +48,6 @@ class DeviceVersion:
     prefetched: bool = False  # brought in by a prefetch, not yet used
     uses: int = 0
 
-    def forward(self, x: torch.Tensor, act_fn) -> torch.Tensor:
-        """Expert output `(t, H)` for tokens `x (t, H)` from a lo version (dequantize, then the MLP)."""
-        from ..compute.expert_compute import expert_mlp
-        from ..store import quant
-
-        gate_up, down = quant.dequantize(self.views, self.meta, x.dtype)
-        return expert_mlp(x, gate_up, down, act_fn)
-
 
 @dataclass
 class ExpertHandle:

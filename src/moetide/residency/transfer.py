@@ -16,18 +16,11 @@ import itertools
 import queue
 import threading
 import time
-from typing import Protocol
 
 import torch
 
 POISON_BYTE = 0xFF  # bf16/fp32 bytes 0xFFFF... are NaN: a read of an unwritten slot cannot go unnoticed
 PRIORITY_DEMAND, PRIORITY_PREFETCH, PRIORITY_MIGRATION = 0, 1, 2
-
-
-class CopyEvent(Protocol):
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
 
 
 class DoneEvent:
@@ -71,10 +64,6 @@ class CudaTransfer:
             event = torch.cuda.Event()
             event.record(stream)
         return event
-
-    def wait_on_compute(self, event: torch.cuda.Event) -> None:
-        """Make the compute stream wait (on the GPU, not the host) for a copy."""
-        torch.cuda.current_stream(self.device).wait_event(event)
 
     def compute_marker(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -123,9 +112,6 @@ class CpuTransfer:
                 if self.bandwidth is not None:
                     time.sleep((end - start) / self.bandwidth)
             event.set()
-
-    def wait_on_compute(self, event: ThreadEvent) -> None:
-        event.synchronize()
 
     def compute_marker(self) -> DoneEvent:
         return DoneEvent()

@@ -519,15 +519,6 @@ def dequantize(
     )
 
 
-def expert_forward(x: torch.Tensor, views: dict[str, torch.Tensor], meta: QuantMeta) -> torch.Tensor:
-    """Expert output for tokens x (T, H) -> (T, H), in x's dtype.
-
-    hi: F.linear on the stored weights; lo: dequantize to x's dtype, then the same formula.
-    """
-    gate_up, down = dequantize(views, meta, x.dtype)
-    return swiglu_expert(x, gate_up, down)
-
-
 def swiglu_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Reference expert: x (T, H), gate_up (2I, H), down (H, I) -> (T, H)."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)

@@ -28,14 +28,16 @@ policies, hi-precision transitions and the share of token selections that hit a 
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
 
-from .base import ExpertPolicy
+from ..policies.base import ExpertPolicy
+from ..policies.finemoe import FineMoEConfig, FineMoEPolicy
 from .trace import Trace, TraceStep
 
 EVICTION_RULES = ("lru", "prob-freq")
@@ -207,14 +209,6 @@ class SimulationResult:
         return self.hits / self.demands if self.demands else float("nan")
 
     @property
-    def decode_hit_rate(self) -> float:
-        return self.decode_hits / self.decode_demands if self.decode_demands else float("nan")
-
-    @property
-    def prefill_hit_rate(self) -> float:
-        return self.prefill_hits / self.prefill_demands if self.prefill_demands else float("nan")
-
-    @property
     def precision(self) -> float:
         return self.predictions_used / self.predictions if self.predictions else float("nan")
 
@@ -234,8 +228,6 @@ class SimulationResult:
         d = asdict(self)
         for name in (
             "hit_rate",
-            "decode_hit_rate",
-            "prefill_hit_rate",
             "precision",
             "recall",
             "bytes_moved",
@@ -452,3 +444,48 @@ class TraceSimulator:
 def simulate(trace: Trace, policy: ExpertPolicy, capacity_experts: int, **kwargs) -> SimulationResult:
     """Replay `trace` through `policy` with a cache of `capacity_experts` slots (see `TraceSimulator`)."""
     return TraceSimulator(trace, policy, capacity_experts, **kwargs).run()
+
+
+def profile_prefetch_distance(
+    warm_trace,
+    test_trace,
+    capacity_experts: int,
+    *,
+    distances: Sequence[int] | None = None,
+    layer_time_s: float | None = None,
+    transfer_time_s: float | None = None,
+    search_time_s: float = 0.0,
+    config: FineMoEConfig | None = None,
+    **simulate_kwargs,
+) -> dict:
+    """Pick FineMoE's prefetch distance d for a model.
+
+    Simulates FineMoE (store warmed on `warm_trace`, measured on `test_trace`) at each d and picks the
+    d with the best hit rate among the *feasible* ones: when `layer_time_s` (measured compute time of
+    one layer) and `transfer_time_s` (host->device time of one layer's predicted experts) are given, a
+    prefetch issued d layers ahead must arrive in time: d * layer_time_s >= search_time_s +
+    transfer_time_s. Ties go to the smaller d. Returns {"best": d, "min_feasible": d0, "table": [...]}.
+    """
+    L = test_trace.meta.num_layers
+    distances = list(distances) if distances is not None else list(range(1, L))
+    min_feasible = 1
+    if layer_time_s is not None and transfer_time_s is not None and layer_time_s > 0:
+        min_feasible = max(1, math.ceil((search_time_s + transfer_time_s) / layer_time_s))
+    base = config or FineMoEConfig()
+    table = []
+    for d in distances:
+        policy = FineMoEPolicy(replace(base, prefetch_distance=d, synchronous=True))
+        policy.warm_up(warm_trace)
+        res = simulate(test_trace, policy, capacity_experts, **simulate_kwargs)
+        table.append(
+            {
+                "d": d,
+                "hit_rate": res.hit_rate,
+                "feasible": d >= min_feasible,
+                "precision": res.precision,
+                "recall": res.recall,
+            }
+        )
+    feasible = [row for row in table if row["feasible"]] or table
+    best = max(feasible, key=lambda row: (row["hit_rate"], -row["d"]))
+    return {"best": best["d"], "min_feasible": min_feasible, "table": table}

@@ -12,11 +12,52 @@ top-k of layer l+d's logits with noise growing with d.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from collections.abc import Sequence
 
 import torch
 
 from .trace import STEP_DECODE, STEP_PREFILL, Trace, TraceMeta
+
+
+@dataclass
+class _World:
+    """The synthetic "model": per-topic router biases (T, L, J), latent-to-logit maps W (L, r, J)
+    correlated across layers, topic centroids (T, H) and the latent-to-embedding projection (r, H)."""
+
+    bias: torch.Tensor
+    W: torch.Tensor
+    centroids: torch.Tensor
+    proj: torch.Tensor
+
+    @classmethod
+    def draw(cls, seed, num_topics, L, J, H, r, bias_scale, layer_correlation) -> _World:
+        world = torch.Generator().manual_seed(seed)
+        # heavy-tailed topic biases: exponentiated Gaussians, centred
+        bias = bias_scale * torch.randn(num_topics, L, J, generator=world).clamp(min=-1.0) ** 2
+        bias = bias - bias.mean(-1, keepdim=True)
+        W = [torch.randn(r, J, generator=world)]
+        c = layer_correlation
+        for _ in range(L - 1):
+            W.append(c * W[-1] + math.sqrt(1 - c * c) * torch.randn(r, J, generator=world))
+        centroids = 2.0 * torch.randn(num_topics, H, generator=world)
+        proj = torch.randn(r, H, generator=world) / math.sqrt(r)
+        return cls(bias, torch.stack(W), centroids, proj)
+
+    def route(self, topic, z, g, k, noise, spec_noise, spec_distances):
+        """z (T, r) -> probs (T, L, J), topk (T, L, k), spec (T, D, L, k)."""
+        logits = self.bias[topic][None] + torch.einsum("tr,lrj->tlj", z, self.W)
+        logits = logits + noise * torch.randn(logits.shape, generator=g)
+        probs = torch.softmax(logits, -1)
+        topk = torch.topk(probs, k, dim=-1).indices
+        T, L, J = logits.shape
+        spec = torch.full((T, len(spec_distances), L, k), -1, dtype=torch.int64)
+        for i, d in enumerate(spec_distances):
+            if d >= L:
+                continue
+            guess = logits[:, d:] + spec_noise * math.sqrt(d) * torch.randn(T, L - d, J, generator=g)
+            spec[:, i, : L - d] = torch.topk(guess, k, dim=-1).indices
+        return probs, topk, spec
 
 
 def synthetic_trace(
@@ -44,38 +85,11 @@ def synthetic_trace(
     `world_seed` fixes the "model" (topic biases, projections); `seed` the requests. Two traces with
     the same `world_seed` come from the same model (e.g. a warm-up and a test split).
     """
-    world = torch.Generator().manual_seed(world_seed)
     L, J, k, H, r = num_layers, num_experts, top_k, hidden_size, latent_dim
-    # heavy-tailed topic biases: exponentiated Gaussians, centred
-    bias = bias_scale * torch.randn(num_topics, L, J, generator=world).clamp(min=-1.0) ** 2
-    bias = bias - bias.mean(-1, keepdim=True)
-    W = [torch.randn(r, J, generator=world)]
-    c = layer_correlation
-    for _ in range(L - 1):
-        W.append(c * W[-1] + math.sqrt(1 - c * c) * torch.randn(r, J, generator=world))
-    W = torch.stack(W)  # (L, r, J)
-    centroids = 2.0 * torch.randn(num_topics, H, generator=world)
-    proj = torch.randn(r, H, generator=world) / math.sqrt(r)
-
+    world = _World.draw(world_seed, num_topics, L, J, H, r, bias_scale, layer_correlation)
     g = torch.Generator().manual_seed(seed)
     spec_distances = tuple(spec_distances)
     req_ids, kinds, counts, embs, probs_all, ids_all, spec_all = [], [], [], [], [], [], []
-
-    def route(topic: int, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """z (T, r) -> probs (T, L, J), topk (T, L, k), spec (T, D, L, k)."""
-        logits = bias[topic][None] + torch.einsum("tr,lrj->tlj", z, W)
-        logits = logits + noise * torch.randn(logits.shape, generator=g)
-        probs = torch.softmax(logits, -1)
-        topk = torch.topk(probs, k, dim=-1).indices
-        T = z.shape[0]
-        spec = torch.full((T, len(spec_distances), L, k), -1, dtype=torch.int64)
-        for i, d in enumerate(spec_distances):
-            if d >= L:
-                continue
-            guess = logits[:, d:] + spec_noise * math.sqrt(d) * torch.randn(T, L - d, J, generator=g)
-            spec[:, i, : L - d] = torch.topk(guess, k, dim=-1).indices
-        return probs, topk, spec
-
     for rid, topic in enumerate(topics):
         z = torch.randn(prompt_tokens, r, generator=g)
         steps = [(STEP_PREFILL, z)]
@@ -84,8 +98,8 @@ def synthetic_trace(
             zt = rho * zt + math.sqrt(1 - rho * rho) * torch.randn(1, r, generator=g)
             steps.append((STEP_DECODE, zt))
         for kind, zs in steps:
-            probs, topk, spec = route(topic, zs)
-            emb = centroids[topic] + (zs @ proj).mean(0) + 0.3 * torch.randn(H, generator=g)
+            probs, topk, spec = world.route(topic, zs, g, k, noise, spec_noise, spec_distances)
+            emb = world.centroids[topic] + (zs @ world.proj).mean(0) + 0.3 * torch.randn(H, generator=g)
             req_ids.append(rid)
             kinds.append(kind)
             counts.append(zs.shape[0])

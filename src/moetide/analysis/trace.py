@@ -21,13 +21,14 @@ any policy); `record_trace` records from a plain transformers model with forward
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from .base import PolicyBase
+from ..policies.base import PolicyBase
 
 STEP_PREFILL = 0
 STEP_DECODE = 1
@@ -417,7 +418,7 @@ def record_trace(
     The prompts' ids are kept in `meta.extra["prompt_ids"]` (request order).
     Routers are observed with forward hooks (`PolicyHooks`); nothing is patched.
     """
-    from .hooks import PolicyHooks, greedy_generate
+    from ..policies.hooks import PolicyHooks
 
     recorder = TraceRecorder(
         spec_distances,
@@ -440,3 +441,62 @@ def record_trace(
     finally:
         hooks.remove()
     return recorder.trace()
+
+
+@dataclass
+class GenerationResult:
+    """Greedy outputs per request and wall time of every forward step (seconds)."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+
+
+@torch.no_grad()
+def greedy_generate(
+    hf_model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    hooks: PolicyHooks | None = None,
+    eos_token_id: int | None = None,
+    request_id_start: int = 0,
+    continuations: Sequence[Sequence[int]] | None = None,
+) -> GenerationResult:
+    """Greedy decoding, batch 1, with a `DynamicCache`: one forward for the prefill, one per new token.
+
+    `hooks.request_ids` is set to the current request before its first forward. With
+    `continuations` (teacher forcing), request r feeds `continuations[r][i]` as its i-th new token
+    instead of the greedy one and ends when they run out. `tokens` are always the model's greedy
+    predictions.
+    """
+    from transformers import DynamicCache
+
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    device = next(hf_model.parameters()).device
+    # router logits are observed by hooks; asking the model for them would add its aux-loss work
+    extra = {"output_router_logits": False} if hasattr(hf_model.config, "output_router_logits") else {}
+    result = GenerationResult()
+    for r, prompt in enumerate(prompts):
+        if hooks is not None:
+            hooks.request_ids = (request_id_start + r,)
+        cache = DynamicCache(config=hf_model.config)
+        x = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+        out_tokens: list[int] = []
+        for step in range(max_new_tokens):
+            t0 = time.perf_counter()
+            out = hf_model(input_ids=x, past_key_values=cache, use_cache=True, **extra)
+            nxt = int(out.logits[0, -1].argmax())  # NOTE: host sync (a greedy token is needed on the host)
+            result.step_times_s.append(time.perf_counter() - t0)
+            out_tokens.append(nxt)
+            if continuations is not None:
+                if step >= len(continuations[r]):
+                    break
+                fed = int(continuations[r][step])
+            else:
+                fed = nxt
+            if (eos_token_id is not None and fed == eos_token_id) or step == max_new_tokens - 1:
+                break
+            x = torch.tensor([[fed]], dtype=torch.long, device=device)
+        result.tokens.append(out_tokens)
+    return result
