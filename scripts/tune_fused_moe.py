@@ -25,7 +25,7 @@ import torch
 
 from moetide.compute import fused_moe as fm
 from moetide.compute.fused_moe_config import TABLE_PATH, KernelConfig, as_json, table_key
-from moetide.compute.slot_table import Pool, dense_format, packed_format
+from moetide.residency.slot_table import Pool, dense_format, packed_format
 from moetide.store import quant
 
 SHAPES = {"olmoe-1b-7b": (2048, 1024, 64, 8), "qwen15-moe-a2.7b": (2048, 1408, 60, 4)}  # H, I, E, k

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from moetide.compute.expert_compute import combine_experts, expert_mlp, reference_moe
-from moetide.compute.slot_table import Pool, dense_format, packed_format
+from moetide.residency.slot_table import Pool, dense_format, packed_format
 from moetide.store import quant
 
 

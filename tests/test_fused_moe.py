@@ -17,7 +17,7 @@ from triton_interpreter import CUDA, HAS_TRITON, INTERPRETING, kernel_device, ru
 
 from moetide.compute.expert_compute import reference_moe
 from moetide.compute.fused_moe_config import KernelConfig, config_for, default_config, t_bucket
-from moetide.compute.slot_table import NOT_RESIDENT, Pool, dense_format, packed_format
+from moetide.residency.slot_table import NOT_RESIDENT, Pool, dense_format, packed_format
 from moetide.store import quant
 
 MIN_INTERPRETER_PASSES = 14

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .fused_moe_config import KernelConfig, config_for
-from .slot_table import MatrixFormat, Pool
+from ..residency.slot_table import MatrixFormat, Pool
 
 
 @triton.jit

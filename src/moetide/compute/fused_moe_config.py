@@ -75,3 +75,16 @@ def config_for(num_tokens: int, hidden: int, inter: int, fmt: str) -> KernelConf
 
 def as_json(configs: dict[str, KernelConfig]) -> dict:
     return {key: asdict(value) for key, value in configs.items()}
+
+
+def moe_scratch_bytes(model_config, hi_expert_bytes: int, num_tokens: int) -> int:
+    """Device scratch of one MoE layer at a `num_tokens` forward: the fused kernel's intermediate
+    (padded pairs x I, compute dtype) and per-pair outputs (pairs x H, float32); or, on the
+    reference path, one expert's dequantized weights (`hi_expert_bytes`), whichever is larger."""
+    top_k = getattr(model_config, "num_experts_per_tok", 2)
+    experts = getattr(model_config, "num_experts", None) or getattr(model_config, "n_routed_experts", 1)
+    pairs = num_tokens * top_k
+    rows = pairs + min(experts, pairs) * (default_config(num_tokens).block_m - 1)
+    hidden = model_config.hidden_size
+    inter_bytes = hi_expert_bytes // (3 * hidden)  # I x the element size
+    return max(rows * inter_bytes + pairs * hidden * 4, hi_expert_bytes)

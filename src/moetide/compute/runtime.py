@@ -25,9 +25,8 @@ from torch import nn
 
 from ..config import LO_KERNELS
 from ..errors import ConfigError
-from ..residency.metrics import ExpertMetrics
 from .expert_compute import ActFn, reference_moe
-from .slot_table import NOT_RESIDENT
+from ..residency.slot_table import NOT_RESIDENT
 
 
 def check_lo_kernel(kind: str, device: torch.device) -> None:
@@ -53,7 +52,7 @@ def _is_silu(act_fn: ActFn) -> bool:
 class ExpertRuntime:
     """State shared by all managed experts modules of one model: residency, metrics, policy hooks."""
 
-    def __init__(self, residency, metrics: ExpertMetrics, act_fn: ActFn, num_experts: int, top_k: int):
+    def __init__(self, residency, metrics, act_fn: ActFn, num_experts: int, top_k: int):
         self.residency = residency
         self.metrics = metrics
         self.act_fn = act_fn

@@ -95,6 +95,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
 
 def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[LoadedModel, LLMEngine, object]:
     """Load the checkpoint and wire model, residency, runner and engine from one config."""
+    from ..compute.fused_moe_config import moe_scratch_bytes
     from ..compute.runtime import check_lo_kernel
     from ..residency import build_residency
 
@@ -107,7 +108,14 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
         device=device,
         dtype=config.dtype,
         residency_factory=lambda store, metrics, dev, model, model_config: build_residency(
-            config, store, metrics, dev, model, model_config, progress=progress
+            config,
+            store,
+            metrics,
+            dev,
+            model,
+            model_config,
+            progress=progress,
+            moe_scratch_bytes=moe_scratch_bytes(model_config, store.bytes_per_expert("hi"), MAX_PREFILL_TOKENS),
         ),
         progress=progress,
     )

@@ -66,9 +66,10 @@ def max_kv_tokens(config: EngineConfig, model_config) -> int:
 
 
 def fixed_costs(
-    config: EngineConfig, model_config, model, dtype: torch.dtype, hi_expert_bytes: int, budget_bytes: int
+    config: EngineConfig, model_config, model, dtype: torch.dtype, moe_scratch: int, budget_bytes: int
 ) -> FixedCosts:
-    """`M_fixed` for this model and engine configuration (bytes)."""
+    """`M_fixed` for this model and engine configuration (bytes); `moe_scratch`: what one MoE layer's
+    compute needs at the largest prefill forward (`compute.fused_moe_config.moe_scratch_bytes`)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
     per_token = kv_bytes_per_token(model_config, dtype)
@@ -86,25 +87,7 @@ def fixed_costs(
         + heads * tokens * tokens * 4  # attention scores if the math path of SDPA is taken
         + config.max_num_seqs * model_config.vocab_size * 4 * 3  # last-position logits and sampling
     )
-    return FixedCosts(
-        weights, kv_tokens * per_token, activations, moe_scratch_bytes(model_config, hi_expert_bytes), kv_tokens
-    )
-
-
-def moe_scratch_bytes(model_config, hi_expert_bytes: int) -> int:
-    """Scratch of one MoE layer at the largest prefill forward: the fused kernel's intermediate
-    (padded pairs x I, compute dtype) and per-pair outputs (pairs x H, float32); or, on the
-    reference path, one expert's dequantized weights, whichever is larger."""
-    from ..compute.fused_moe_config import default_config
-
-    top_k = getattr(model_config, "num_experts_per_tok", 2)
-    experts = getattr(model_config, "num_experts", None) or getattr(model_config, "n_routed_experts", 1)
-    pairs = MAX_PREFILL_TOKENS * top_k
-    block_m = default_config(MAX_PREFILL_TOKENS).block_m
-    rows = pairs + min(experts, pairs) * (block_m - 1)
-    hidden = model_config.hidden_size
-    inter = hi_expert_bytes // (3 * hidden)  # I x the element size
-    return max(rows * inter + pairs * hidden * 4, hi_expert_bytes)
+    return FixedCosts(weights, kv_tokens * per_token, activations, moe_scratch, kv_tokens)
 
 
 def build_residency(
@@ -115,8 +98,10 @@ def build_residency(
     model,
     model_config,
     progress: bool = True,
+    moe_scratch_bytes: int = 0,
 ):
-    """The residency core for `config.policy` on `device` under `config.gpu_memory_bytes`."""
+    """The residency core for `config.policy` on `device` under `config.gpu_memory_bytes`;
+    `moe_scratch_bytes` joins `M_fixed` (the MoE compute's scratch, which the engine knows)."""
     spec = policy_spec(config.policy)
     mode, needs_lo = spec.memory_mode, spec.needs_lo
     budget_bytes = config.gpu_memory_bytes
@@ -125,7 +110,7 @@ def build_residency(
             return DirectResidency(store, metrics)  # host memory is device memory: nothing to move
         budget_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9) if device.type == "cuda" else 1 << 62
     hi_bytes = store.bytes_per_expert("hi")
-    fixed = fixed_costs(config, model_config, model, store.shape.dtype, hi_bytes, budget_bytes)
+    fixed = fixed_costs(config, model_config, model, store.shape.dtype, moe_scratch_bytes, budget_bytes)
     room = budget_bytes - fixed.total  # what the expert pools may use
     if config.gpu_memory_bytes is None and mode in ("hi-cache", "lo+hi"):
         if store.num_layers * store.num_experts * hi_bytes <= room:

@@ -525,7 +525,7 @@ class ResidencyManager:
         """The pools as the MoE kernel reads them (`compute.slot_table.Pool`, indexed by `pool_ids`;
         None for a pool without slots), packed formats dequantized to `dtype`."""
         if self._kernel_pools is None or self._kernel_pools[0] != dtype:
-            from ..compute.slot_table import pool_for
+            from .slot_table import pool_for
 
             pools = []
             for name in self.pool_ids:

@@ -71,7 +71,7 @@ class DirectResidency:
     def kernel_pools(self, dtype: torch.dtype) -> list:
         """The host store's hi arena as the one pool (CPU: host memory is the device's)."""
         if self._pools is None:
-            from ..compute.slot_table import pool_for
+            from .slot_table import pool_for
 
             self._pools = [pool_for(self.store.versions["hi"], None, self.store.shape, dtype)]
         return self._pools

@@ -12,7 +12,7 @@ import json
 import re
 import uuid
 
-from .protocol import APIError
+from .errors import APIError
 
 # NFC/NFKC compose at most 4 code points into one (U+1FAF = Ω + 3 combining marks)
 _COMPOSING_NORMALIZERS = {"NFC", "NFKC"}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..engine.sampling import SamplingParams
+from .errors import APIError, error_body
 
 if TYPE_CHECKING:
     from .prompt import PromptEncoder
@@ -25,38 +26,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's completions API
 MAX_SEED = 2**63 - 1
 # JSON can carry a lone UTF-16 surrogate ("\ud800"); no tokenizer can encode it
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class APIError(Exception):
-    """An error answered with an OpenAI-style body; `status` is the HTTP status code."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(
-    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict:
-    """`{"error": {"message", "type", "param", "code"}}`, the body of every 4xx/5xx answer."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def _refuse_lone_surrogates(texts: list[str]) -> None:
