@@ -148,7 +148,16 @@ class GraphedDecoder:
         self.model = model
         # Inductor fuses the non-expert elementwise work; each MoE layer is a graph break
         # (ManagedExperts.forward is compile-disabled) and stays the fused kernel
-        self.forward = torch.compile(model, dynamic=False) if compile_step else model
+        self.forward = model
+        if compile_step:
+            import torch._dynamo
+
+            # every decoder layer is its own frame after the MoE graph break, and dynamo keys each
+            # on its layer_idx: the default limit of 8 compiles left later layers eager (measured)
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, 1024)
+            config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4096)
+            self.forward = torch.compile(model, dynamic=False)
         self.sync_free = sync_free
         self.sdpa_backends = sdpa_backends
         self.capture = capture
