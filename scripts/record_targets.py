@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Compute the fused-path targets from raw GPU results and merge them into results/targets.json.
+
+    python scripts/record_targets.py --decode results/gpu/X/decode_step.json \
+        --layer results/gpu/X/fused_layer.json --date 2026-12-01 --commit abc1234
+
+Every value is a ratio or a rate from one raw file (one process, one run); `raw` names that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+TARGETS = Path(__file__).resolve().parents[1] / "results" / "targets.json"
+
+
+def decode_rate(runs: list[dict], policy: str, batch: int, compile_mode: str | None) -> float | None:
+    for r in runs:
+        if r.get("policy") == policy and r.get("batch") == batch and "decode_tok_s" in r:
+            if compile_mode is None or r.get("compile", "off") == compile_mode:
+                return r["decode_tok_s"]
+    return None
+
+
+def ttft(runs: list[dict], policy: str) -> float | None:
+    return next((r["ttft_s"] for r in runs if r.get("policy") == policy and "ttft_s" in r), None)
+
+
+def decode_targets(runs: list[dict], compile_mode: str) -> dict[str, tuple[float | None, float, str]]:
+    """target -> (value, goal, "ge" | "le")."""
+    rate = lambda p, b: decode_rate(runs, p, b, compile_mode)  # noqa: E731
+    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+    return {
+        "no_offload_bs1_tok_s": (rate("no-offload", 1), 400, "ge"),
+        "no_offload_bs32_tok_s": (rate("no-offload", 32), 4388, "ge"),
+        "static_int2_bs1_tok_s": (rate("static-int2", 1), 400, "ge"),
+        "static_int2_bs32_tok_s": (rate("static-int2", 32), 3332, "ge"),
+        "static_int2_bs32_vs_no_offload": (ratio(rate("static-int2", 32), rate("no-offload", 32)), 1.0, "ge"),
+        "static_int4_bs32_vs_no_offload": (ratio(rate("static-int4", 32), rate("no-offload", 32)), 1.0, "ge"),
+        "static_int2_prefill2k_ttft_vs_no_offload": (ratio(ttft(runs, "static-int2"), ttft(runs, "no-offload")),
+                                                      1.5, "le"),  # fmt: skip
+    }
+
+
+def layer_targets(rows: list[dict]) -> dict[str, tuple[float | None, float, str]]:
+    lo = [r["vs_roofline"] for r in rows if r["format"] in ("int4", "int2") and r["tokens"] in (1, 8, 32, 128)]
+    return {"lo_kernel_vs_hbm_roofline_worst": (max(lo) if lo else None, 2.0, "le")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--decode")
+    ap.add_argument("--layer")
+    ap.add_argument("--compile", default="auto", help="which compile setting's decode rows count")
+    ap.add_argument("--date", required=True)
+    ap.add_argument("--commit", required=True)
+    args = ap.parse_args()
+    targets = json.loads(TARGETS.read_text()) if TARGETS.exists() else {}
+    found = {}
+    if args.decode:
+        runs = json.loads(Path(args.decode).read_text())["runs"]
+        found.update({k: (*v, args.decode) for k, v in decode_targets(runs, args.compile).items()})
+    if args.layer:
+        rows = json.loads(Path(args.layer).read_text())["rows"]
+        found.update({k: (*v, args.layer) for k, v in layer_targets(rows).items()})
+    for name, (value, goal, sense, raw) in found.items():
+        if value is None:
+            continue
+        met = value >= goal if sense == "ge" else value <= goal
+        targets[name] = {"value": round(value, 3), "goal": f"{'>=' if sense == 'ge' else '<='} {goal}",
+                         "met": met, "date": args.date, "commit": args.commit, "raw": raw}  # fmt: skip
+        print(f"{name:45s} {value:10.3f}  goal {targets[name]['goal']:>8s}  {'met' if met else 'MISSED'}")
+    TARGETS.write_text(json.dumps(dict(sorted(targets.items())), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
