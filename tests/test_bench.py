@@ -95,7 +95,8 @@ def test_offline_sweep_writes_runs_summary_and_plots(qwen3_checkpoint, tmp_path)
             for field in ROW_FIELDS:
                 assert field in row, field
             assert 0.0 <= row["hit_rate"] <= 1.0 and row["bytes_h2d"] > 0  # a 50% budget must move experts
-            assert run["metrics"]["experts_used"] == run["metrics"]["hits"] + run["metrics"]["misses"]
+            m = run["metrics"]
+            assert m["experts_used"] == m["hits"] + m["lo_runs"] + m["misses"]
             assert run["budget_bytes"] == row["budget_bytes"] > 0
             d = run["summary"]["ttft_s"]
             assert d["p50"] <= d["p90"] <= d["p99"] and d["n"] == bs

@@ -165,6 +165,31 @@ def test_random_interleavings_keep_every_invariant(mode, hi_slots, on_miss, ops)
         manager.close()
 
 
+def test_each_use_is_a_hit_a_lo_run_or_a_miss():
+    """lo+hi with lo on miss: an expert with only its lo version runs lo (a lo run, not a hit); once
+    its hi version is resident it is a hit; hi-cache without lo: a miss. used = hits + lo_runs + misses."""
+    manager = make_manager("lo+hi", 4, LAYERS * EXPERTS, on_miss="lo")
+    x = torch.randn(2, HIDDEN)
+    manager.begin_iteration(1)
+    run_forward(manager, 0, [1, 2], x)
+    c = manager.metrics.layers[0]
+    assert (c.hits, c.lo_runs, c.misses) == (0, 2, 0)
+    manager.set_precision(0, 1, "hi")
+    manager.settle()
+    manager.begin_iteration(2)
+    run_forward(manager, 0, [1, 2], x)
+    assert (c.hits, c.lo_runs, c.misses) == (1, 3, 0)
+    assert manager.metrics.hit_rate == 0.25 and c.used == c.hits + c.lo_runs + c.misses
+    manager.close()
+    manager = make_manager("hi-cache", 4, 0)
+    manager.begin_iteration(1)
+    run_forward(manager, 0, [1], x)
+    run_forward(manager, 0, [1], x)
+    c = manager.metrics.layers[0]
+    assert (c.hits, c.lo_runs, c.misses) == (1, 0, 1)
+    manager.close()
+
+
 def test_prefetch_turns_a_miss_into_a_hit():
     manager = make_manager("hi-cache", 4, 0)
     x = torch.randn(2, HIDDEN)

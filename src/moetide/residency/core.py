@@ -432,12 +432,14 @@ class ResidencyManager:
                 version.published = True
                 counters.stall_s += time.perf_counter() - start
                 counters.misses += 1
+            elif version.pool != demand_pool:
+                counters.lo_runs += 1  # lo ran in place of hi, without a stall: neither hit nor miss
+            else:
+                counters.hits += 1
             h.in_use += 1
             version.uses += 1
             self._visits[layer, e] += 1
             self._touch(h, version.pool)
-            if version.pool == "lo" and demand_pool == "hi":
-                counters.lo_runs += 1
             resolved[e] = version
         counters.used += len(resolved)
         self._end_protection(layer)
@@ -457,14 +459,14 @@ class ResidencyManager:
             del self._protected[key]
 
     def _usable(self, h: ExpertHandle, demand_pool: str, counters) -> DeviceVersion | None:
-        """A version of `h` to run now without a demand copy (counted as a hit); None on a miss."""
+        """A version of `h` to run now without a demand copy (the wanted one, or lo in its place);
+        None on a miss."""
         wanted = h.versions.get(demand_pool)
         lo = h.published("lo") if demand_pool == "hi" else None
         run_lo = lo is not None and self.options.on_miss == "lo"
         if wanted is not None:
             if not self._publish_if_ready(wanted):
                 if run_lo:  # its hi copy is still under way: run lo, never wait
-                    counters.hits += 1
                     return lo
                 start = time.perf_counter()
                 wanted.ready.synchronize()  # late prefetch: wait for the copy already under way
@@ -473,10 +475,8 @@ class ResidencyManager:
             if wanted.prefetched:
                 wanted.prefetched = False
                 self.metrics.bump("prefetches_used")
-            counters.hits += 1
             return wanted
         if run_lo:
-            counters.hits += 1
             return lo
         return None
 

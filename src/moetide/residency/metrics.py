@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 @dataclass
 class LayerCounters:
     used: int = 0  # expert uses (distinct experts per step, summed over steps)
-    hits: int = 0  # used experts already resident (in the wanted or an acceptable precision)
-    misses: int = 0  # used experts that had to be loaded on demand (a stall) or ran lo on a miss
-    lo_runs: int = 0  # uses computed from a lo version
+    # every use is exactly one of these three: used == hits + lo_runs + misses
+    hits: int = 0  # the wanted version was resident (hi; lo where lo is what the policy runs)
+    lo_runs: int = 0  # the hi version was not resident and the resident lo version ran in its place
+    misses: int = 0  # nothing usable was resident: loaded on demand (a stall)
     stall_s: float = 0.0  # seconds the forward pass waited for on-demand loads
 
 
@@ -56,12 +57,18 @@ class ExpertMetrics:
         return sum(c.misses for c in self.layers)
 
     @property
+    def lo_runs(self) -> int:
+        return sum(c.lo_runs for c in self.layers)
+
+    @property
     def stall_s(self) -> float:
         return sum(c.stall_s for c in self.layers)
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        """Share of uses that found the wanted version (a lo run in place of hi is not a hit, so
+        combined's rate compares with lru's)."""
+        total = self.hits + self.lo_runs + self.misses
         return self.hits / total if total else 0.0
 
     def snapshot(self, resident: dict[str, int] | None = None) -> dict:
@@ -70,7 +77,7 @@ class ExpertMetrics:
             "hits": self.hits,
             "misses": self.misses,
             "hit_rate": round(self.hit_rate, 4),
-            "lo_runs": sum(c.lo_runs for c in self.layers),
+            "lo_runs": self.lo_runs,
             "stall_s": round(self.stall_s, 6),
             "bytes_h2d": self.bytes_h2d,
             "copies": self.copies,
@@ -84,7 +91,8 @@ class ExpertMetrics:
             "peak_device_bytes": self.peak_device_bytes,
             "resident": resident or {},
             "per_layer": [
-                {"used": c.used, "hits": c.hits, "misses": c.misses, "stall_s": round(c.stall_s, 6)}
+                {"used": c.used, "hits": c.hits, "lo_runs": c.lo_runs, "misses": c.misses,
+                 "stall_s": round(c.stall_s, 6)}
                 for c in self.layers
             ],
         }
