@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_bad_input import assert_one_line_error, run_cli
 
-from moetide.bench.budget import model_bytes, resolve_budget
+from moetide.engine.memory import model_bytes, resolve_budget
 from moetide.bench.replay import TraceReplay, TraceReplayError, trace_geometry_overrides, trace_requests
 from moetide.bench.runs import drive_engine
 from moetide.bench.stats import distribution, percentile

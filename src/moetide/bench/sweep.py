@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ..config import POLICIES, EngineConfig, format_bytes
 from ..errors import ConfigError
 from . import runs
-from .budget import resolve_budget
+from ..engine.memory import resolve_budget
 from .workload import (
     BenchRequest,
     build_requests,
