@@ -133,3 +133,72 @@ def test_unknown_llm_option_is_an_error_not_ignored(qwen3_checkpoint):
         moetide.LLM(qwen3_checkpoint, device="cpu", searchr="thread")
     with pytest.raises(ConfigError, match="--searcher must be one of"):
         moetide.LLM(qwen3_checkpoint, device="cpu", searcher="fiber")
+
+
+# -- the CLI checks what the user typed before the model loads ----------------------------------------------
+def run_main(capsys, *args: str) -> tuple[int, str]:
+    """`moetide ARGS` in this process: (exit status, stderr). A load prints "[moetide] loading ..." on a
+    non-terminal stderr before the weights are read, so its absence shows an error came first."""
+    from moetide.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse exits
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def assert_refused_before_load(code: int, err: str, *fragments: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and "usage:" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--device", "tpu"], ["--device must be cpu, cuda or cuda:N", "'tpu'"]),
+        (["--policy", "bogus"], ["--policy", "invalid choice: 'bogus'"]),
+        (["--gpu-memory", "-5GiB"], ["memory size must be positive", "-5GiB"]),
+        (["--gpu-memory", "lots"], ["cannot read memory size 'lots'"]),
+        (["--max-tokens", "0"], ["max_tokens must be an integer >= 1"]),
+        (["--max-tokens", "-3"], ["max_tokens must be an integer >= 1"]),
+        (["--top-p", "0"], ["top_p must be in (0, 1]"]),
+        (["--top-p", "1.5"], ["top_p must be in (0, 1]"]),
+        (["--temperature", "-1"], ["temperature must be >= 0"]),
+        (["--max-tokens", "ten"], ["--max-tokens", "invalid int value"]),
+    ],
+)
+def test_bad_generate_options_are_one_line_before_the_load(capsys, qwen3_checkpoint, args, fragments):
+    code, err = run_main(capsys, "generate", "--model", str(qwen3_checkpoint), "--device", "cpu", *args, "hi")
+    assert_refused_before_load(code, err, *fragments)
+
+
+def test_empty_prompt_is_refused(capsys, qwen3_checkpoint):
+    for prompt in ("", "   "):
+        code, err = run_main(capsys, "generate", "--model", str(qwen3_checkpoint), "--device", "cpu", prompt)
+        assert_refused_before_load(code, err, "the prompt is empty")
+
+
+def test_output_past_the_context_is_refused_before_the_load(capsys, qwen3_checkpoint):
+    """The tiny checkpoint's context is 256 tokens (max_position_embeddings)."""
+    base = ["generate", "--model", str(qwen3_checkpoint), "--device", "cpu", "--raw"]
+    code, err = run_main(capsys, *base, "--max-tokens", "100000", "hello")
+    assert_refused_before_load(code, err, "--max-tokens 100000 does not fit", "context of 256 tokens")
+    prompt_tokens = int(err.split("prompt's ")[1].split()[0])
+    assert f"use --max-tokens {256 - prompt_tokens} or less" in err
+    code, err = run_main(capsys, *base, "--max-model-len", "64", "--max-tokens", "100", "hello")
+    assert_refused_before_load(code, err, "context of 64 tokens")
+    # a prompt longer than the demo model's context and its tokenizer's model_max_length (2048): our
+    # line only, not transformers' "Token indices sequence length is longer than ..." warning first
+    code, err = run_main(capsys, "generate", "--device", "cpu", "--raw", "hello " * 2100)
+    assert_refused_before_load(code, err, "the prompt has", "the context holds 2048")
+
+
+def test_too_small_a_budget_is_refused_before_the_load(capsys, qwen3_checkpoint):
+    code, err = run_main(
+        capsys, "generate", "--model", str(qwen3_checkpoint), "--device", "cpu", "--gpu-memory", "1KiB", "hi"
+    )
+    assert_refused_before_load(code, err, "--gpu-memory 1.00 KiB is too small", "the smallest budget")

@@ -22,7 +22,7 @@ from moetide.config import EngineConfig
 from moetide.engine.llm import build_engine
 from moetide.errors import ConfigError
 from moetide.models.registry import get_adapter
-from moetide.policies.trace import record_trace
+from moetide.policies.trace import Trace, record_trace
 
 RUN_FIELDS = ("summary", "metrics", "requests", "budget_bytes", "plan", "peak_gpu_bytes", "machine", "config")
 ROW_FIELDS = (
@@ -221,6 +221,40 @@ def _capture_expert_inputs(loaded):
             )
         )
     return seen, handles
+
+
+def test_replay_feeds_each_request_its_recorded_prompt(recorded, tiny_checkpoints):
+    """The recording stores prompts in recording order; replay finds each by its request id, also
+    when the recording's request ids did not start at 0."""
+    trace, _ = recorded
+    requests, _ = trace_requests(trace, 96)
+    assert [list(r.prompt_ids) for r in requests] == PROMPTS
+    _, model = tiny_checkpoints["qwen3_moe"]
+    shifted = record_trace(model, get_adapter("qwen3_moe"), PROMPTS, 3, spec_distances=(), request_id_start=7)
+    assert shifted.requests() == [7, 8, 9]
+    requests, _ = trace_requests(shifted, 96)
+    assert [list(r.prompt_ids) for r in requests] == PROMPTS
+    # a selection keeps the ids: requests 9 and 7, in that order, get prompts 2 and 0
+    requests, _ = trace_requests(shifted.select_requests([9, 7]), 96)
+    assert [list(r.prompt_ids) for r in requests] == [PROMPTS[2], PROMPTS[0]]
+
+
+def test_record_trace_honours_the_prompts_file(qwen3_checkpoint, tmp_path, capsys):
+    from moetide.bench.workload import text_prompts
+    from moetide.cli import main
+    from moetide.models.checkpoint import load_tokenizer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the first prompt\nanother one, a little longer than the first\n")
+    out = tmp_path / "trace.safetensors"
+    args = ["--num-prompts", "2", "--output-len", "3", "--max-input-len", "32"]
+    assert main(["bench", "--model", str(qwen3_checkpoint), "--record-trace", str(out), "--prompts", str(prompts), *args]) == 0
+    trace = Trace.load(out)
+    want = text_prompts(load_tokenizer(qwen3_checkpoint), 2, 32, str(prompts))
+    assert trace.meta.extra["prompt_ids"] == want and trace.meta.extra["prompts_file"] == str(prompts)
+    assert [len(trace.step(s).topk_ids) for s in range(len(trace)) if trace.step(s).kind == "prefill"] == [
+        len(p) for p in want
+    ]
 
 
 def test_replay_forces_the_recorded_experts(recorded, other_weights):
