@@ -107,9 +107,12 @@ def test_offline_sweep_writes_runs_summary_and_plots(qwen3_checkpoint, tmp_path)
         assert (tmp_path / name).read_bytes()[:8] == PNG
 
 
-def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(qwen3_checkpoint, tmp_path):
+def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(qwen3_checkpoint, tmp_path, capsys):
     spec = small_spec(qwen3_checkpoint, tmp_path, gpu_memory=["1MiB", "60%"])
-    rows = run_sweep(spec, progress=False)["runs"]
+    rows = run_sweep(spec, progress=True)["runs"]
+    # stderr is not a terminal here: no progress bar, one plain line, then one line per run
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.count("[moetide] bench: writing to") == 1, err
     assert len(rows) == 2
     assert rows[0]["error"] and "too small" in rows[0]["error"] and "\n" not in rows[0]["error"]
     assert rows[1]["error"] is None and rows[1]["output_tokens"] == 4

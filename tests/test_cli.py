@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from test_bad_input import run_cli
 
@@ -70,10 +71,21 @@ def test_text_stream_holds_back_incomplete_utf8_on_the_demo_tokenizer():
 def test_generate_streams_whole_characters(capsys):
     """`moetide generate` on the demo model with a Chinese prompt: the model answers in Chinese (one
     character = 2-3 byte tokens), and no U+FFFD is printed except for a character the token budget
-    cut at the very end."""
+    cut at the very end. stderr is not a terminal here: one plain loading line, no progress bars."""
     from moetide.cli import main
 
-    assert main(["generate", "--device", "cpu", "--max-tokens", "12", "--quiet", "你好，请介绍一下你自己。"]) == 0
-    out = capsys.readouterr().out.rstrip("\n")
+    assert main(["generate", "--device", "cpu", "--max-tokens", "12", "你好，请介绍一下你自己。"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.rstrip("\n")
     assert sum("\u4e00" <= c <= "\u9fff" for c in out) >= 3, out
     assert "\ufffd" not in out.rstrip("\ufffd"), out
+    assert "\r" not in captured.err and captured.err.count("[moetide] loading demo_model on cpu") == 1
+    assert len(captured.err.strip().splitlines()) == 2, captured.err  # + the summary line
+
+
+def test_files_named_in_pyproject_exist():
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "pyproject.toml").read_text()
+    named = set(re.findall(r"[\w.-]+\.(?:txt|md|cfg|ini)\b", text))
+    assert "constraints.txt" in named
+    assert all((root / name).is_file() for name in named), named
