@@ -397,7 +397,7 @@ def test_bench_cli_end_to_end(qwen3_checkpoint, tmp_path):
     assert [r["policy"] for r in rows] == ["on-demand", "combined:lo"] and all(
         r["error"] is None for r in rows
     )
-    assert rows[1]["lo_runs"] is not None
+    assert rows[1]["lo_runs"] > 0  # combined:lo ran misses on resident lo versions
     # the engine options given to `moetide bench` reach every run's engine
     run = json.loads((tmp_path / "runs" / f"{rows[1]['name']}.json").read_text())
     assert run["engine_options"] == {

@@ -601,3 +601,49 @@ def test_relative_gpu_memory_works_wherever_gpu_memory_does(qwen3_checkpoint):
     llm = moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory="50%")
     assert llm.config.gpu_memory_bytes == want and llm.loaded.runtime.residency.plan.budget_bytes == want
     llm.close()
+
+
+def _kv_bytes(engine) -> int:
+    """Bytes of the K/V tensors the running batch's cache holds now."""
+    if engine.batch is None:
+        return 0
+    tensors = [t for layer in engine.batch.cache.layers for t in (layer.keys, layer.values) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_every_allocation_of_a_budgeted_run_fits_the_cap():
+    """The demo model under a --gpu-memory cap on the CPU (the CPU stands in for the device): the
+    weights, the slot pools and every tensor allocated while a 900-token prompt is prefilled and
+    decoded (seen by the profiler's allocator records: KV cache growth, activations, logits, expert
+    scratch) are accounted against the plan, category by category, and in all against the cap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = moetide.LLM(device="cpu", policy="on-demand", gpu_memory="60%", max_num_seqs=2)
+    residency = llm.loaded.runtime.residency
+    plan, fixed = residency.plan, residency.plan.fixed
+    model = llm.loaded.model
+    tensors = [*model.parameters(), *model.buffers()]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    pools = sum(p.arena.numel() * p.arena.element_size() for p in residency.pools.values())
+    assert weights == fixed.non_expert_weights  # no expert weight left on the device, nothing missed
+    assert pools == plan.expert_bytes and fixed.total + plan.expert_bytes <= plan.budget_bytes
+    prompt = [(i * 7919) % 8000 + 100 for i in range(900)]
+    kv_peak = 0
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        llm.engine.add_request(prompt, moetide.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            kv_peak = max(kv_peak, _kv_bytes(llm.engine))
+    records = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    live = transient_peak = 0
+    for _, nbytes in records:  # allocations (+) and frees (-) in time order
+        live += nbytes
+        transient_peak = max(transient_peak, live)
+    assert llm.metrics.misses > 0  # experts were copied into slots under the cap
+    assert 0 < kv_peak <= fixed.kv_cache
+    assert 0 < transient_peak <= fixed.kv_cache + fixed.activations + fixed.dequant_scratch
+    assert weights + pools + transient_peak <= plan.budget_bytes
+    assert residency.budget.peak_bytes <= plan.budget_bytes
+    llm.close()
