@@ -251,7 +251,8 @@ def test_record_trace_honours_the_prompts_file(qwen3_checkpoint, tmp_path, capsy
     prompts.write_text("the first prompt\nanother one, a little longer than the first\n")
     out = tmp_path / "trace.safetensors"
     args = ["--num-prompts", "2", "--output-len", "3", "--max-input-len", "32"]
-    assert main(["bench", "--model", str(qwen3_checkpoint), "--record-trace", str(out), "--prompts", str(prompts), *args]) == 0
+    model = ["--model", str(qwen3_checkpoint)]
+    assert main(["bench", *model, "--record-trace", str(out), "--prompts", str(prompts), *args]) == 0
     trace = Trace.load(out)
     want = text_prompts(load_tokenizer(qwen3_checkpoint), 2, 32, str(prompts))
     assert trace.meta.extra["prompt_ids"] == want and trace.meta.extra["prompts_file"] == str(prompts)

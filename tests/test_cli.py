@@ -54,7 +54,8 @@ def test_text_stream_holds_back_incomplete_utf8_on_the_demo_tokenizer():
     from moetide.models.checkpoint import load_tokenizer
 
     tok = load_tokenizer(demo_model_path())
-    for text in ("你好，世界！今天天气很好。", "Привет, как дела?", "Crème brûlée à la façon de Noël", "😀 ok"):
+    texts = ("你好，世界！今天天气很好。", "Привет, как дела?", "Crème brûlée à la façon de Noël", "😀 ok")
+    for text in texts:
         ids = tok.encode(text, add_special_tokens=False)
         partials = [tok.decode(ids[:k], skip_special_tokens=True) for k in range(1, len(ids) + 1)]
         assert any("\ufffd" in p for p in partials)  # the case this guards: half characters mid-stream
@@ -74,7 +75,8 @@ def test_generate_streams_whole_characters(capsys):
     cut at the very end. stderr is not a terminal here: one plain loading line, no progress bars."""
     from moetide.cli import main
 
-    assert main(["generate", "--device", "cpu", "--max-tokens", "12", "你好，请介绍一下你自己。"]) == 0
+    prompt = "你好，请介绍一下你自己。"
+    assert main(["generate", "--device", "cpu", "--max-tokens", "12", prompt]) == 0
     captured = capsys.readouterr()
     out = captured.out.rstrip("\n")
     assert sum("\u4e00" <= c <= "\u9fff" for c in out) >= 3, out

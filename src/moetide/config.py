@@ -127,7 +127,8 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.device not in (None, "", "auto") and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", str(self.device)):
+        named = self.device not in (None, "", "auto")
+        if named and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", str(self.device)):
             raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of: {', '.join(POLICIES)}")

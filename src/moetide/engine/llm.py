@@ -135,7 +135,8 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
     check_lo_kernel(config.lo_kernel, device)  # before the weights load
     check_budget(config)
     cap = "no cap" if config.gpu_memory_bytes is None else f"cap {format_bytes(config.gpu_memory_bytes)}"
-    progress = progress_bars(progress, f"loading {config.model_path.name} on {device} ({config.policy}, {cap})")
+    what = f"loading {config.model_path.name} on {device} ({config.policy}, {cap})"
+    progress = progress_bars(progress, what)
     loaded = load_model(
         config.model_path,
         device=device,
