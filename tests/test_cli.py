@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from test_bad_input import run_cli
+from test_bad_input import run_cli, run_cli_process
 
 
 def test_generate_streams_and_summarises(qwen3_checkpoint):
-    proc = run_cli(
+    """The console entry point, in its own process."""
+    proc = run_cli_process(
         "generate",
         "--model",
         str(qwen3_checkpoint),
