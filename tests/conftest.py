@@ -36,3 +36,12 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]
 @pytest.fixture(scope="session")
 def qwen3_checkpoint(tiny_checkpoints) -> Path:
     return tiny_checkpoints["qwen3_moe"][0]
+
+
+@pytest.fixture(scope="session")
+def interpreter_run():
+    """The Triton kernel tests of test_lowbit_triton.py and test_quant.py, run once on CPU under
+    Triton's interpreter in one fresh process (triton_interpreter.py says why a fresh one)."""
+    from triton_interpreter import run_under_interpreter
+
+    return run_under_interpreter()

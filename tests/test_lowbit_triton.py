@@ -21,7 +21,6 @@ from triton_interpreter import (
     INTERPRETING,
     kernel_device,
     run_both_lo_kernels,
-    run_under_interpreter,
 )
 
 import moetide
@@ -48,10 +47,10 @@ def kernel():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(CUDA or INTERPRETING, reason="the kernel tests run in this process")
-def test_grouped_kernel_under_interpreter():
-    result, passed, summary = run_under_interpreter(__file__, "grouped and not under_interpreter")
-    assert result.returncode == 0, summary
-    assert passed >= MIN_INTERPRETER_PASSES, summary
+def test_grouped_kernel_under_interpreter(interpreter_run):
+    run = interpreter_run
+    assert run.result.returncode == 0, run.summary
+    assert run.passed("test_lowbit_triton.py") >= MIN_INTERPRETER_PASSES, run.summary
 
 
 device = kernel_device

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from triton_interpreter import HAS_TRITON, INTERPRETING, kernel_device, run_under_interpreter
+from triton_interpreter import HAS_TRITON, INTERPRETING, kernel_device
 
 from moetide.store import quant
 from moetide.store.quant import (
@@ -412,10 +412,10 @@ def triton_lowbit():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available() or INTERPRETING, reason="the kernel tests run in this process")
-def test_triton_kernels_under_interpreter():
-    result, passed, summary = run_under_interpreter(__file__, "triton and not under_interpreter")
-    assert result.returncode == 0, summary
-    assert passed >= 9 and "skipped" not in result.stdout.splitlines()[-1], summary
+def test_triton_kernels_under_interpreter(interpreter_run):
+    run = interpreter_run
+    assert run.result.returncode == 0, run.summary
+    assert run.passed("test_quant.py") >= 9 and run.skipped("test_quant.py") == 0, run.summary
 
 
 # The interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584: bf16 is not
