@@ -193,6 +193,8 @@ class LLM:
         out = llm.generate(["Hello"], moetide.SamplingParams(max_tokens=32, temperature=0))
         print(out[0].text)
 
+    `gpu_memory`: a size ("6GiB"), bytes, or "NN%" (the fixed part + NN % of all experts in hi
+    precision for this model); a budget too small for the policy is refused before the load.
     Other keyword arguments set `EngineConfig` fields (`lo_kernel`, `prefetch_distance`, `searcher`,
     `cuda_graphs`, ...); a name that is not one is an error.
     """
