@@ -11,7 +11,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import FAMILIES, save_tiny_model
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One intra-op thread: the tests' tensors are tiny, and on a 2-core machine a second thread spends
+# more in synchronisation than it computes (test_parity + test_compute: 7.0 s with 1, 18.2 s with 2;
+# recording 6 demo-model requests: 5.9 s with 1, 34.9 s with 2, on a busy machine).
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,3 +39,12 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]
 @pytest.fixture(scope="session")
 def qwen3_checkpoint(tiny_checkpoints) -> Path:
     return tiny_checkpoints["qwen3_moe"][0]
+
+
+@pytest.fixture(scope="session")
+def interpreter_run():
+    """The Triton kernel tests (triton_interpreter.KERNEL_TESTS), run once on CPU under
+    Triton's interpreter in one fresh process (triton_interpreter.py says why a fresh one)."""
+    from triton_interpreter import run_under_interpreter
+
+    return run_under_interpreter()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -15,8 +17,23 @@ from moetide.models.checkpoint import inspect_checkpoint
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`moetide ARGS` in this process: exit status, stdout and stderr. The same `main` the console
+    script runs, without an interpreter and torch start-up (seconds) per call; `run_cli_process` runs
+    the real entry point."""
+    from moetide.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's exits
+            code = e.code
+    return subprocess.CompletedProcess(["moetide", *args], code, out.getvalue(), err.getvalue())
+
+
+def run_cli_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "moetide.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "moetide.cli", *args], capture_output=True, text=True, timeout=300
     )
 
 
@@ -133,3 +150,60 @@ def test_unknown_llm_option_is_an_error_not_ignored(qwen3_checkpoint):
         moetide.LLM(qwen3_checkpoint, device="cpu", searchr="thread")
     with pytest.raises(ConfigError, match="--searcher must be one of"):
         moetide.LLM(qwen3_checkpoint, device="cpu", searcher="fiber")
+
+
+# -- the CLI checks what the user typed before the model loads ----------------------------------------------
+def assert_refused_before_load(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    """One `error:` line on stderr and exit status 2, and nothing else: a load would have printed
+    "[moetide] loading ..." (stderr is not a terminal here) before reading the weights."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--device", "tpu"], ["--device must be cpu, cuda or cuda:N", "'tpu'"]),
+        (["--policy", "bogus"], ["--policy", "invalid choice: 'bogus'"]),
+        (["--gpu-memory", "-5GiB"], ["memory size must be positive", "-5GiB"]),
+        (["--gpu-memory", "lots"], ["cannot read memory size 'lots'"]),
+        (["--max-tokens", "0"], ["max_tokens must be an integer >= 1"]),
+        (["--max-tokens", "-3"], ["max_tokens must be an integer >= 1"]),
+        (["--top-p", "0"], ["top_p must be in (0, 1]"]),
+        (["--top-p", "1.5"], ["top_p must be in (0, 1]"]),
+        (["--temperature", "-1"], ["temperature must be >= 0"]),
+        (["--max-tokens", "ten"], ["--max-tokens", "invalid int value"]),
+    ],
+)
+def test_bad_generate_options_are_one_line_before_the_load(qwen3_checkpoint, args, fragments):
+    proc = run_cli("generate", "--model", str(qwen3_checkpoint), "--device", "cpu", *args, "hi")
+    assert_refused_before_load(proc, *fragments)
+
+
+def test_empty_prompt_is_refused(qwen3_checkpoint):
+    for prompt in ("", "   "):
+        proc = run_cli("generate", "--model", str(qwen3_checkpoint), "--device", "cpu", prompt)
+        assert_refused_before_load(proc, "the prompt is empty")
+
+
+def test_output_past_the_context_is_refused_before_the_load(qwen3_checkpoint):
+    """The tiny checkpoint's context is 256 tokens (max_position_embeddings)."""
+    base = ["generate", "--model", str(qwen3_checkpoint), "--device", "cpu", "--raw"]
+    proc = run_cli(*base, "--max-tokens", "100000", "hello")
+    assert_refused_before_load(proc, "--max-tokens 100000 does not fit", "context of 256 tokens")
+    prompt_tokens = int(proc.stderr.split("prompt's ")[1].split()[0])
+    assert f"use --max-tokens {256 - prompt_tokens} or less" in proc.stderr
+    proc = run_cli(*base, "--max-model-len", "64", "--max-tokens", "100", "hello")
+    assert_refused_before_load(proc, "context of 64 tokens")
+    # a prompt longer than the demo model's context and its tokenizer's model_max_length (2048): our
+    # line only, not transformers' "Token indices sequence length is longer than ..." warning first
+    proc = run_cli("generate", "--device", "cpu", "--raw", "hello " * 2100)
+    assert_refused_before_load(proc, "the prompt has", "the context holds 2048")
+
+
+def test_too_small_a_budget_is_refused_before_the_load(qwen3_checkpoint):
+    proc = run_cli("generate", "--model", str(qwen3_checkpoint), "--device", "cpu", "--gpu-memory", "1KiB", "hi")
+    assert_refused_before_load(proc, "--gpu-memory 1.00 KiB is too small", "the smallest budget")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
-from test_bad_input import run_cli
+from test_bad_input import run_cli, run_cli_process
 
 
 def test_generate_streams_and_summarises(qwen3_checkpoint):
-    proc = run_cli(
+    """The console entry point, in its own process."""
+    proc = run_cli_process(
         "generate",
         "--model",
         str(qwen3_checkpoint),
@@ -42,3 +44,51 @@ def test_info_reports_geometry(tiny_checkpoints):
     assert f"{total / 1e6:,.1f} M total" in out
     for precision in ("bf16", "int4", "int2"):
         assert precision in out
+
+
+# -- streaming text --------------------------------------------------------------------------------------
+def test_text_stream_holds_back_incomplete_utf8_on_the_demo_tokenizer():
+    """Chinese, Russian, accented Latin and emoji take several byte-level tokens per character: the
+    stream prints each character once it is whole, and what it prints is exactly the final text."""
+    from moetide.engine.detokenize import TextStream, stable_prefix
+    from moetide.engine.llm import demo_model_path
+    from moetide.models.checkpoint import load_tokenizer
+
+    tok = load_tokenizer(demo_model_path())
+    texts = ("你好，世界！今天天气很好。", "Привет, как дела?", "Crème brûlée à la façon de Noël", "😀 ok")
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        partials = [tok.decode(ids[:k], skip_special_tokens=True) for k in range(1, len(ids) + 1)]
+        assert any("\ufffd" in p for p in partials)  # the case this guards: half characters mid-stream
+        stream = TextStream()
+        pieces = [stream.delta(p, finished=k == len(partials) - 1) for k, p in enumerate(partials)]
+        assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)
+    assert stable_prefix("abcd", 2) == "ab" and stable_prefix("ab\ufffd\ufffd", 0) == "ab"
+    # a stop string's first characters are held back until it cannot be one any more
+    stream = TextStream(stop=("END",))
+    assert stream.delta("hello E", False) == "hello" and stream.delta("hello EN", False) == " "
+    assert stream.delta("hello ENx", False) == "E" and stream.delta("hello ENx", True) == "Nx"
+
+
+def test_generate_streams_whole_characters(capsys):
+    """`moetide generate` on the demo model with a Chinese prompt: the model answers in Chinese (one
+    character = 2-3 byte tokens), and no U+FFFD is printed except for a character the token budget
+    cut at the very end. stderr is not a terminal here: one plain loading line, no progress bars."""
+    from moetide.cli import main
+
+    prompt = "你好，请介绍一下你自己。"
+    assert main(["generate", "--device", "cpu", "--max-tokens", "12", prompt]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.rstrip("\n")
+    assert sum("\u4e00" <= c <= "\u9fff" for c in out) >= 3, out
+    assert "\ufffd" not in out.rstrip("\ufffd"), out
+    assert "\r" not in captured.err and captured.err.count("[moetide] loading demo_model on cpu") == 1
+    assert len(captured.err.strip().splitlines()) == 2, captured.err  # + the summary line
+
+
+def test_files_named_in_pyproject_exist():
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "pyproject.toml").read_text()
+    named = set(re.findall(r"[\w.-]+\.(?:txt|md|cfg|ini)\b", text))
+    assert "constraints.txt" in named
+    assert all((root / name).is_file() for name in named), named

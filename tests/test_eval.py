@@ -56,6 +56,14 @@ def test_int2_is_worse_than_bf16_and_memory_is_ordered(report):
     assert gap is not None and set(gap) >= {"all"}
 
 
+def test_dynamic_perplexity_lies_between_bf16_and_int2(report):
+    """Hot experts in bf16, the rest int2: better than all-int2 (its hot set buys something), and not
+    better than bf16 beyond noise (a dynamic config that scored like bf16 would be measuring bf16)."""
+    by = {r["name"]: r["ppl"]["all"] for r in report[0]["results"]}
+    assert by["bf16"] * 0.99 <= by["dynamic@mid"] < by["int2"], by
+    assert 0 < report[0]["gap_recovered"]["all"], report[0]["gap_recovered"]
+
+
 def test_dynamic_budget_calibrates_its_hot_set(report):
     dyn = next(r for r in report[0]["results"] if r["name"] == "dynamic@mid")
     geo = expert_geometry(demo_model_path())

@@ -13,7 +13,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interpreter import CUDA, HAS_TRITON, INTERPRETING, kernel_device, run_under_interpreter
+from triton_interpreter import CUDA, HAS_TRITON, INTERPRETING, kernel_device
 
 from moetide.compute.expert_compute import reference_moe
 from moetide.compute.fused_moe_config import KernelConfig, config_for, default_config, t_bucket
@@ -34,10 +34,10 @@ def kernel():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(CUDA or INTERPRETING, reason="the kernel tests run in this process")
-def test_fused_kernel_under_interpreter():
-    result, passed, summary = run_under_interpreter(__file__, "fused_kernel and not under_interpreter")
-    assert result.returncode == 0, summary
-    assert passed >= MIN_INTERPRETER_PASSES, summary
+def test_fused_kernel_under_interpreter(interpreter_run):
+    run = interpreter_run
+    assert run.result.returncode == 0, run.summary
+    assert run.passed("test_fused_moe.py") >= MIN_INTERPRETER_PASSES, run.summary
 
 
 def random_expert(inter, hidden, g):

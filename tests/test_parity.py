@@ -143,3 +143,36 @@ def test_engine_forwards_never_use_cudnn_attention(qwen3_checkpoint):
         llm.close()
     assert len(seen) == 3 and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, expected",
+    [
+        (1.0, 0, 1.0, [0.5, 0.3, 0.15, 0.05]),
+        (0.5, 0, 1.0, [0.25 / 0.365, 0.09 / 0.365, 0.0225 / 0.365, 0.0025 / 0.365]),  # p^2, renormalised
+        (2.0, 0, 1.0, None),  # p^(1/2), renormalised (computed below)
+        (1.0, 2, 1.0, [0.625, 0.375, 0.0, 0.0]),
+        (1.0, 0, 0.7, [0.625, 0.375, 0.0, 0.0]),  # 0.5 < 0.7 <= 0.8: the nucleus is {0, 1}
+        (1.0, 0, 0.9, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+        (0.5, 3, 1.0, [0.25 / 0.3625, 0.09 / 0.3625, 0.0225 / 0.3625, 0.0]),
+    ],
+)
+def test_sampler_honours_temperature_top_k_and_top_p(temperature, top_k, top_p, expected):
+    """The empirical distribution of 4000 seeded draws from p = (0.5, 0.3, 0.15, 0.05) matches the one
+    each parameter defines (within 0.035, > 4 standard errors); ignoring a parameter moves at least one
+    frequency by >= 0.1 (temperature) or puts mass on a token that must never be drawn (top-k, top-p)."""
+    from moetide.engine.sampling import sample_next_tokens
+
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    if expected is None:
+        expected = (p.sqrt() / p.sqrt().sum()).tolist()
+    n = 4000
+    logits = p.log().expand(n, -1).clone()
+    params = [moetide.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)] * n
+    gen = torch.Generator().manual_seed(0)
+    tokens = sample_next_tokens(logits, params, [gen] * n)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    assert torch.allclose(freq, torch.tensor(expected), atol=0.035), (freq.tolist(), expected)
+    for token, want in enumerate(expected):
+        if want == 0.0:
+            assert freq[token] == 0.0  # outside top-k / the nucleus: never drawn

@@ -4,6 +4,9 @@ promotions, demotions and evictions."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +14,7 @@ from hypothesis import strategies as st
 
 import moetide
 from moetide.compute.expert_compute import expert_mlp
+from moetide.config import EngineConfig, parse_bytes
 from moetide.errors import BudgetError
 from moetide.residency.budget import BudgetTracker, FixedCosts, plan_memory
 from moetide.residency.core import ResidencyManager, ResidencyOptions
@@ -344,9 +348,9 @@ def test_demotion_frees_the_hi_slot():
     manager.close()
 
 
-def test_budget_too_small_for_the_fixed_part_names_the_minimum():
+def test_budget_too_small_names_its_parts():
     fixed = FixedCosts(10_000, 5_000, 5_000, 0)
-    with pytest.raises(BudgetError, match="minimum is"):
+    with pytest.raises(BudgetError, match=r"fixed part .* 19.53 KiB \+ at least 2 experts 1.95 KiB"):
         plan_memory(
             15_000,
             fixed,
@@ -356,7 +360,7 @@ def test_budget_too_small_for_the_fixed_part_names_the_minimum():
             min_hi_slots=2,
             mode="hi-cache",
         )
-    with pytest.raises(BudgetError, match="no-offload needs"):
+    with pytest.raises(BudgetError, match=r"no-offload .* \+ 20 experts 19.53 KiB = 39.06 KiB, more than"):
         plan_memory(
             30_000,
             fixed,
@@ -400,7 +404,7 @@ def test_impossible_budget_is_a_clear_error(qwen3_checkpoint):
     plan = roomy.loaded.runtime.residency.plan
     roomy.close()
     just_above_fixed = plan.fixed.total + 4 * plan.hi_slot_bytes  # room for 4 of the 16 experts
-    with pytest.raises(BudgetError, match="no-offload needs"):
+    with pytest.raises(BudgetError, match=r"no-offload keeps every expert .* smallest budget for no-offload"):
         moetide.LLM(qwen3_checkpoint, device="cpu", policy="no-offload", gpu_memory=just_above_fixed)
     tight = moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory=just_above_fixed)
     assert tight.loaded.runtime.residency.plan.hi_slots == 4
@@ -548,3 +552,124 @@ def test_a_burst_of_prefetches_evicts_in_the_order_single_evictions_would(evicti
     manager._touch(manager.handles[0][want[0]], "hi")  # predicted again after the ranking
     assert next_victim().expert == want[1]
     manager.close()
+
+
+def _suggested(error: BudgetError) -> str:
+    match = re.search(r"the smallest budget for \S+ is --gpu-memory (\S+)$", str(error))
+    assert match, str(error)
+    return match.group(1)
+
+
+def test_the_smallest_budget_named_is_stable_and_works():
+    """no-offload on the demo model: the KV reservation grows with the budget, so "fixed part at this
+    budget + experts" moved when the user retried with it (140 MiB -> "needs 186.77", 187 MiB ->
+    "needs 189.47"). The minimum named is the same from any budget below it, it fits, and 1 MiB
+    less does not; the engine loads at it."""
+    import dataclasses
+
+    import moetide
+    from moetide.engine.llm import demo_model_path
+    from moetide.engine.memory import check_budget, model_bytes
+
+    config = EngineConfig(model=str(demo_model_path()), device="cpu", policy="no-offload")
+    mb = model_bytes(config)
+    at = {}
+    for budget in ("140MiB", "187MiB", "1MiB"):
+        with pytest.raises(BudgetError) as e:
+            check_budget(dataclasses.replace(config, gpu_memory_bytes=parse_bytes(budget)), mb)
+        at[budget] = _suggested(e.value)
+    assert len(set(at.values())) == 1, at
+    minimum = parse_bytes(at["140MiB"])
+    check_budget(dataclasses.replace(config, gpu_memory_bytes=minimum), mb)
+    with pytest.raises(BudgetError):
+        check_budget(dataclasses.replace(config, gpu_memory_bytes=minimum - (1 << 20)), mb)
+    llm = moetide.LLM(device="cpu", policy="no-offload", gpu_memory=at["140MiB"])
+    assert llm.loaded.runtime.residency.plan.hi_slots == mb.num_experts_total
+    llm.close()
+
+
+def test_static_budget_messages_say_what_to_type():
+    """The all-lo message says the fixed part is included; static-int4 may suggest static-int2,
+    static-int2 never suggests int2 again."""
+    from moetide.engine.llm import demo_model_path
+    from moetide.engine.memory import check_budget
+
+    for policy, suggests_int2 in (("static-int4", True), ("static-int2", False)):
+        config = EngineConfig(
+            model=str(demo_model_path()), device="cpu", policy=policy, gpu_memory_bytes=96 << 20
+        )
+        with pytest.raises(BudgetError) as e:
+            check_budget(config)
+        text = str(e.value)
+        parts = r"the fixed part \(.*\) [\d.]+ MiB \+ 256 experts [\d.]+ MiB = [\d.]+ MiB"
+        assert re.search(parts, text), text
+        assert ("use static-int2" in text) is suggests_int2 and "use int2" not in text
+        check_budget(dataclasses.replace(config, gpu_memory_bytes=parse_bytes(_suggested(e.value))))
+
+
+def test_relative_gpu_memory_works_wherever_gpu_memory_does(qwen3_checkpoint):
+    """`--gpu-memory 50%` (the fixed part + half of all experts in hi) in generate/serve's engine
+    options and in `moetide.LLM`, not only in bench."""
+    import moetide
+    from moetide.cli import build_parser, engine_config_from_args
+    from moetide.engine.memory import model_bytes, resolve_budget
+
+    base = EngineConfig(model=str(qwen3_checkpoint), device="cpu", policy="on-demand")
+    want = resolve_budget("50%", base)
+    mb = model_bytes(base)
+    assert want == mb.fixed.total + mb.all_experts_hi_bytes // 2
+    for command in (["generate", "hi"], ["serve"]):
+        args = build_parser().parse_args(
+            [command[0], "--model", str(qwen3_checkpoint), "--device", "cpu", "--policy", "on-demand",
+             "--gpu-memory", "50%", *command[1:]]
+        )  # fmt: skip
+        assert engine_config_from_args(args).gpu_memory_bytes == want
+    llm = moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory="50%")
+    assert llm.config.gpu_memory_bytes == want and llm.loaded.runtime.residency.plan.budget_bytes == want
+    llm.close()
+
+
+def _kv_bytes(engine) -> int:
+    """Bytes of the K/V tensors the running batch's cache holds now."""
+    if engine.batch is None:
+        return 0
+    tensors = [t for layer in engine.batch.cache.layers for t in (layer.keys, layer.values) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_every_allocation_of_a_budgeted_run_fits_the_cap():
+    """The demo model under a --gpu-memory cap on the CPU (the CPU stands in for the device): the
+    weights, the slot pools and every tensor allocated while a 900-token prompt is prefilled and
+    decoded (seen by the profiler's allocator records: KV cache growth, activations, logits, expert
+    scratch) are accounted against the plan, category by category, and in all against the cap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = moetide.LLM(device="cpu", policy="on-demand", gpu_memory="60%", max_num_seqs=2)
+    residency = llm.loaded.runtime.residency
+    plan, fixed = residency.plan, residency.plan.fixed
+    model = llm.loaded.model
+    tensors = [*model.parameters(), *model.buffers()]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    pools = sum(p.arena.numel() * p.arena.element_size() for p in residency.pools.values())
+    assert weights == fixed.non_expert_weights  # no expert weight left on the device, nothing missed
+    assert pools == plan.expert_bytes and fixed.total + plan.expert_bytes <= plan.budget_bytes
+    prompt = [(i * 7919) % 8000 + 100 for i in range(900)]
+    kv_peak = 0
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        llm.engine.add_request(prompt, moetide.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            kv_peak = max(kv_peak, _kv_bytes(llm.engine))
+    records = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    live = transient_peak = 0
+    for _, nbytes in records:  # allocations (+) and frees (-) in time order
+        live += nbytes
+        transient_peak = max(transient_peak, live)
+    assert llm.metrics.misses > 0  # experts were copied into slots under the cap
+    assert 0 < kv_peak <= fixed.kv_cache
+    assert 0 < transient_peak <= fixed.kv_cache + fixed.activations + fixed.dequant_scratch
+    assert weights + pools + transient_peak <= plan.budget_bytes
+    assert residency.budget.peak_bytes <= plan.budget_bytes
+    llm.close()

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,20 +25,44 @@ def kernel_device() -> str:
     return "cuda" if CUDA else "cpu"
 
 
-def run_under_interpreter(test_file: str, keyword: str) -> tuple[subprocess.CompletedProcess, int, str]:
-    """pytest `test_file -k keyword` with TRITON_INTERPRET=1 in a new process:
-    (the finished process, how many tests passed, the tail of its output for assertion messages)."""
-    src = str(Path(__file__).resolve().parents[1] / "src")
+# The kernel tests of each file, selected by name (a module name would select a whole file).
+KERNEL_TESTS = {
+    "test_fused_moe.py": "fused_kernel and not under_interpreter",
+}
+
+
+@dataclass(frozen=True)
+class InterpreterRun:
+    """One interpreter-mode pytest process over every file's kernel tests."""
+
+    result: subprocess.CompletedProcess
+    summary: str  # the tail of its output, for assertion messages
+
+    def passed(self, test_file: str) -> int:
+        return sum(1 for line in self._outcomes("PASSED") if f"{test_file}::" in line)
+
+    def skipped(self, test_file: str) -> int:
+        return sum(1 for line in self._outcomes("SKIPPED") if test_file in line)
+
+    def _outcomes(self, word: str) -> list[str]:
+        return [line for line in self.result.stdout.splitlines() if line.startswith(word + " ")]
+
+
+def run_under_interpreter() -> InterpreterRun:
+    """The kernel tests of `KERNEL_TESTS` with TRITON_INTERPRET=1 in one new process (one interpreter,
+    torch and transformers start-up for all files; `-rA` lists each test's outcome)."""
+    tests = Path(__file__).resolve().parent
+    src = str(tests.parent / "src")
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
         "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
     }
-    command = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-k", keyword]
+    keyword = " or ".join(f"({k})" for k in KERNEL_TESTS.values())
+    files = [str(tests / name) for name in KERNEL_TESTS]
+    command = [sys.executable, "-m", "pytest", *files, "-q", "-rA", "-p", "no:cacheprovider", "-k", keyword]
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=900)
-    summary = result.stdout[-3000:] + result.stderr[-2000:]
-    passed = re.search(r"(\d+) passed", result.stdout)
-    return result, int(passed.group(1)) if passed else 0, summary
+    return InterpreterRun(result, result.stdout[-3000:] + result.stderr[-2000:])
 
 
 def run_both_kernels(kernel, monkeypatch, path, ids: torch.Tensor, max_tokens: int, **llm_kwargs):

@@ -6,12 +6,51 @@ Every user error is one line on stderr (`error: ...`) and exit status 2; never a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import sys
 import time
 
-from .config import COMPILE_MODES, CUDA_GRAPHS, LO_KERNELS, POLICIES, SEARCHERS, EngineConfig, format_bytes, parse_bytes
-from .errors import MoetideError
+from .config import COMPILE_MODES, CUDA_GRAPHS, LO_KERNELS, POLICIES, SEARCHERS, EngineConfig, format_bytes
+from .errors import ConfigError, MoetideError
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (`error: ...`, exit 2) instead of the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+_NEGATIVE_VALUE = re.compile(r"-[0-9.]")
+
+
+def join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--gpu-memory -5GiB` -> `--gpu-memory=-5GiB`: argparse takes a value that starts with '-' (and is
+    not a plain number) for an option and reports "expected one argument"; joined, the value reaches
+    its own check, which says what is wrong with it."""
+    takes_value = {
+        option
+        for p in _all_parsers(parser)
+        for option, action in p._option_string_actions.items()
+        if action.nargs != 0
+    }
+    out = []
+    for i, token in enumerate(argv):
+        if out and out[-1] in takes_value and _NEGATIVE_VALUE.match(token) and argv[i - 1] == out[-1]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _all_parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_parsers(sub)
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
@@ -26,7 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         )
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: CUDA when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--gpu-memory", default=None, help="hard cap on moetide's device memory, e.g. 6GiB")
+    p.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="hard cap on moetide's device memory, e.g. 6GiB, or NN%% (the fixed part + NN%% of all"
+        " experts in hi precision)",
+    )
     p.add_argument("--policy", default="combined", choices=POLICIES, help="expert residency policy")
     p.add_argument(
         "--lo",
@@ -89,13 +133,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
 
 
 def engine_config_from_args(args) -> EngineConfig:
+    """The `EngineConfig` of the engine options; a relative `--gpu-memory NN%` is resolved against
+    the model (built on the meta device: no weights are read)."""
     from .engine.llm import demo_model_path
+    from .engine.memory import resolve_budget
 
-    return EngineConfig(
+    config = EngineConfig(
         model=str(args.model or demo_model_path()),
         device=args.device,
         dtype=args.dtype,
-        gpu_memory_bytes=parse_bytes(args.gpu_memory),
         policy=args.policy,
         lo_precision=args.lo_precision,
         on_miss=args.on_miss,
@@ -104,6 +150,9 @@ def engine_config_from_args(args) -> EngineConfig:
         max_model_len=args.max_model_len,
         **precision_options_from_args(args),
     )
+    if args.gpu_memory is None:
+        return config
+    return dataclasses.replace(config, gpu_memory_bytes=resolve_budget(args.gpu_memory, config))
 
 
 def precision_options_from_args(args) -> dict:
@@ -123,11 +172,14 @@ def precision_options_from_args(args) -> dict:
 
 # -- generate --------------------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
-    from .engine.llm import build_engine
+    from .engine.detokenize import TextStream
+    from .engine.llm import build_engine, context_length, quiet_tokenizer
     from .engine.sampling import SamplingParams
+    from .models.checkpoint import inspect_checkpoint, load_tokenizer
 
-    config = engine_config_from_args(args)
-    loaded, engine, tokenizer = build_engine(config, progress=not args.quiet)
+    # everything the user typed is checked before the weights load (seconds to minutes)
+    if not args.prompt.strip():
+        raise ConfigError("the prompt is empty; give the text to complete, e.g. moetide generate \"Hello\"")
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -136,24 +188,21 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         stop=args.stop or None,
     )
-    use_chat = not args.raw and bool(getattr(tokenizer, "chat_template", None))
-    if use_chat:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True
-        )
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    else:
-        ids = tokenizer.encode(args.prompt)
+    config = engine_config_from_args(args)
+    info = inspect_checkpoint(config.model_path)
+    tokenizer = quiet_tokenizer(load_tokenizer(config.model_path))
+    ids = prompt_ids(tokenizer, args.prompt, chat=not args.raw)
+    check_context(len(ids), params.max_tokens, context_length(config, info.config))
+    loaded, engine, tokenizer = build_engine(config, progress=not args.quiet)
     loaded.runtime.metrics.reset()
     start = time.perf_counter()
     seq = engine.add_request(ids, params)
-    printed = 0
+    stream = TextStream(params.stop)
     while engine.has_unfinished():
         engine.step()
-        if len(seq.text) > printed:
-            sys.stdout.write(seq.text[printed:])
-            sys.stdout.flush()
-            printed = len(seq.text)
+        # only text later tokens cannot change: no half UTF-8 character, no half stop string
+        sys.stdout.write(stream.delta(seq.text, seq.finished))
+        sys.stdout.flush()
     elapsed = time.perf_counter() - start
     m = loaded.runtime.metrics
     n = len(seq.output_ids)
@@ -168,6 +217,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def prompt_ids(tokenizer, text: str, *, chat: bool) -> list[int]:
+    """The prompt's token ids: one user turn through the chat template when asked and the tokenizer
+    has one, else the text as is."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer.encode(text))
+
+
+def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:
+    """The prompt and `--max-tokens` must fit the context together (ConfigError saying what fits)."""
+    if prompt_tokens >= context:
+        raise ConfigError(
+            f"the prompt has {prompt_tokens} tokens; the context holds {context} (prompt + output):"
+            " shorten the prompt"
+        )
+    if prompt_tokens + max_tokens > context:
+        raise ConfigError(
+            f"--max-tokens {max_tokens} does not fit: the prompt's {prompt_tokens} tokens + {max_tokens}"
+            f" exceed the context of {context} tokens; use --max-tokens {context - prompt_tokens} or less"
+        )
+
+
 # -- info --------------------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
     from .engine.llm import demo_model_path
@@ -178,7 +252,7 @@ def cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moetide", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="moetide", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
@@ -225,7 +299,7 @@ def _extra_commands():
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_negative_values(parser, sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args) or 0
     except MoetideError as e:

@@ -40,6 +40,8 @@ def parse_bytes(text: str | float | None) -> int | None:
         if text < 0:
             raise ConfigError(f"memory size must be positive, got {text}")
         return int(text)
+    if str(text).strip().startswith("-"):
+        raise ConfigError(f"memory size must be positive, got {text!r}")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if m is None or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"cannot read memory size {text!r}; write it like 6GiB, 512MiB or 8GB")
@@ -122,6 +124,9 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        named = self.device not in (None, "", "auto")
+        if named and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", str(self.device)):
+            raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of: {', '.join(POLICIES)}")
         if self.lo_precision not in ("auto", "int4", "int2"):

@@ -415,7 +415,8 @@ def record_trace(
     is one prefill step plus up to `max_new_tokens - 1` decode steps (the last generated token needs
     no forward). `continuations`: teacher forcing, see `greedy_generate` (e.g. the reference reply,
     so that decode steps route real text rather than a small model's greedy loops).
-    The prompts' ids are kept in `meta.extra["prompt_ids"]` (request order).
+    The prompts' ids are kept in `meta.extra["prompt_ids"]` (recording order), the request id of each
+    in `meta.extra["prompt_request_ids"]` (`request_id_start + i`).
     Routers are observed with forward hooks (`PolicyHooks`); nothing is patched.
     """
     from ..policies.hooks import PolicyHooks
@@ -424,7 +425,10 @@ def record_trace(
         spec_distances,
         model_type=getattr(hf_model.config, "model_type", ""),
         source=source,
-        extra={"prompt_ids": [[int(t) for t in p] for p in prompts]},
+        extra={
+            "prompt_ids": [[int(t) for t in p] for p in prompts],
+            "prompt_request_ids": [request_id_start + i for i in range(len(prompts))],
+        },
     )
     hooks = PolicyHooks(hf_model, adapter, [recorder])
     recorder._moe_layer_ids = tuple(hooks.moe_layer_ids)

@@ -104,7 +104,8 @@ def register_cli(subparsers) -> None:
         "--record-trace",
         default=None,
         metavar="FILE",
-        help="record a routing trace of held-out prompts on --model (default: demo) and exit",
+        help="record a routing trace of held-out prompts (or of --prompts) on --model (default: demo)"
+        " and exit",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out", help="output directory")
@@ -171,6 +172,7 @@ def _record(args) -> int:
         num_prompts=args.num_prompts or 32,
         output_len=args.output_len,
         max_input_len=args.max_input_len,
+        prompts_file=args.prompts,
     )
     print(f"wrote {args.record_trace}: {trace!r}", file=sys.stderr)
     return 0

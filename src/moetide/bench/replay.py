@@ -180,9 +180,9 @@ class TraceReplay:
 def trace_requests(trace: Trace, vocab_size: int, *, seed: int = 0) -> tuple[list[BenchRequest], Trace]:
     """One batch-1 request per traced request, and the trace reordered so that its steps follow them.
 
-    A request's prompt has its prefill step's length (the recorded prompt ids, `meta.extra["prompt_ids"]
-    [request id]`, when the trace has them and they fit the vocabulary; random ids otherwise); its output length is its number of steps
-    (the prefill yields the first token, each decode step one more).
+    A request's prompt has its prefill step's length (the prompt recorded for its request id, see
+    `recorded_prompts`, when the trace has it and it fits the vocabulary; random ids otherwise); its
+    output length is its number of steps (the prefill yields the first token, each decode step one more).
     """
     order = trace.requests()
     if -1 in order:
@@ -190,7 +190,7 @@ def trace_requests(trace: Trace, vocab_size: int, *, seed: int = 0) -> tuple[lis
             "the trace has batched steps (request id -1); replay needs a batch-1 recording"
         )
     ordered = trace.select_requests(order)
-    recorded = trace.meta.extra.get("prompt_ids") if isinstance(trace.meta.extra, dict) else None
+    recorded = recorded_prompts(trace)
     rng = random.Random(seed)
     requests, s = [], 0
     kinds = ordered.step_kinds.tolist()
@@ -204,13 +204,23 @@ def trace_requests(trace: Trace, vocab_size: int, *, seed: int = 0) -> tuple[lis
             raise TraceReplayError(f"request {rid} of the trace is not one prefill followed by decode steps")
         prompt_len = offsets[first + 1] - offsets[first]
         prompt = None
-        ids = recorded[rid] if recorded is not None and 0 <= rid < len(recorded) else None  # by request id
+        ids = recorded.get(rid)
         if ids is not None and len(ids) == prompt_len and all(0 <= t < vocab_size for t in ids):
             prompt = [int(t) for t in ids]
         if prompt is None:
             prompt = [rng.randrange(3, vocab_size) for _ in range(prompt_len)]
         requests.append(BenchRequest(tuple(prompt), s - first, 0.0))
     return requests, ordered
+
+
+def recorded_prompts(trace: Trace) -> dict[int, list[int]]:
+    """Request id -> the prompt ids recorded for it. A recording stores its prompts in recording order
+    (`meta.extra["prompt_ids"]`) with the request id of each (`"prompt_request_ids"`); a trace from
+    before those ids were stored numbered its requests from 0."""
+    extra = trace.meta.extra if isinstance(trace.meta.extra, dict) else {}
+    prompts = extra.get("prompt_ids") or []
+    request_ids = extra.get("prompt_request_ids") or range(len(prompts))
+    return {int(r): list(p) for r, p in zip(request_ids, prompts, strict=False)}
 
 
 def record_heldout_trace(
@@ -222,13 +232,16 @@ def record_heldout_trace(
     max_input_len: int = 256,
     spec_distances: tuple[int, ...] = (1, 2, 3, 4),
     skip: int = 0,
+    prompts_file: str | Path | None = None,
 ) -> Trace:
-    """Record routing of held-out ShareGPT prompts on `model_path` (fp32, CPU) and save it.
+    """Record routing of held-out ShareGPT prompts (or of `prompts_file`'s) on `model_path` (fp32, CPU)
+    and save it.
 
     Prefill = the chat-templated first user turn (at most `max_input_len` tokens); decode steps feed
     the reference reply (teacher forcing, at most `output_len` steps), so they route real text rather
-    than a small model's greedy loops. The prompts' ids are stored in `meta.extra["prompt_ids"]` so a
-    replay can feed the same prefill tokens.
+    than a small model's greedy loops. Prompts from `prompts_file` (one per line, or JSONL with
+    "prompt"; cycled to `num_prompts`) have no reference reply: the model decodes greedily. The
+    prompts' ids are stored in `meta.extra["prompt_ids"]` so a replay can feed the same prefill tokens.
     """
     from transformers import AutoModelForCausalLM
 
@@ -236,31 +249,33 @@ def record_heldout_trace(
     from ..models.registry import get_adapter
     from ..analysis.trace import record_trace
     from ..analysis.workload import encode_requests, heldout_conversations
+    from .workload import text_prompts
 
+    tokenizer = load_tokenizer(model_path)
+    if prompts_file is not None:
+        prompts = text_prompts(tokenizer, num_prompts, max_input_len, str(prompts_file))
+        replies, extra, source = None, {"prompts_file": str(prompts_file)}, f"{prompts_file} (greedy)"
+    else:
+        convs = heldout_conversations(num_prompts + skip)[skip:]
+        prompts, replies, conv_ids = encode_requests(
+            tokenizer, convs, prompt_tokens=max_input_len, reply_tokens=output_len
+        )
+        extra, source = {"conversation_ids": conv_ids}, "held-out ShareGPT (teacher-forced)"
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # batch-1 steps on the CPU: the per-expert loop is fastest
-    tokenizer = load_tokenizer(model_path)
-    adapter = get_adapter(model.config.model_type)
-    convs = heldout_conversations(num_prompts + skip)[skip:]
-    prompts, replies, conv_ids = encode_requests(
-        tokenizer, convs, prompt_tokens=max_input_len, reply_tokens=output_len
-    )
     trace = record_trace(
         model,
-        adapter,
+        get_adapter(model.config.model_type),
         prompts,
         output_len,
         spec_distances=spec_distances,
         eos_token_id=tokenizer.eos_token_id,
-        source=f"{model_path} held-out ShareGPT (teacher-forced)",
+        source=f"{model_path} {source}",
         continuations=replies,
     )
-    meta = dataclasses.replace(
-        trace.meta, extra={**trace.meta.extra, "prompt_ids": prompts, "conversation_ids": conv_ids}
-    )
     trace = Trace(
-        meta,
+        dataclasses.replace(trace.meta, extra={**trace.meta.extra, **extra}),
         trace.request_ids,
         trace.step_kinds,
         trace.token_offsets,

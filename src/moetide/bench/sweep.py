@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ..config import POLICIES, EngineConfig, format_bytes
 from ..errors import ConfigError
 from . import runs
-from .budget import resolve_budget
+from ..engine.memory import resolve_budget
 from .workload import (
     BenchRequest,
     build_requests,
@@ -398,11 +398,15 @@ def summary_row(result: dict) -> dict:
 
 
 def run_sweep(spec: BenchSpec, *, progress: bool = True) -> dict:
-    """Plan and run the whole sweep; returns the summary (also written under `spec.out`)."""
+    """Plan and run the whole sweep; returns the summary (also written under `spec.out`).
+
+    `progress`: bars on a terminal, one plain line otherwise; each run's result line either way."""
+    from ..engine.llm import progress_bars
     from .report import write_markdown, write_plots
 
     out = Path(spec.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    progress = progress_bars(progress, f"bench: writing to {out}")
     plan = plan_sweep(spec, progress=progress)
     machine = runs.machine_info()
     header = {

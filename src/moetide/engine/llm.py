@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..config import EngineConfig, parse_bytes
+from ..config import EngineConfig, format_bytes
 from ..errors import ConfigError
 from ..models.checkpoint import inspect_checkpoint, load_tokenizer
 from ..models.loader import LoadedModel, resolve_device
 from ..residency import MAX_PREFILL_TOKENS
 from .assemble import load_model
 from .llm_engine import LLMEngine
+from .memory import resolve_budget
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -93,16 +95,50 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     )
 
 
+def context_length(config: EngineConfig, model_config) -> int:
+    """Tokens of context a sequence gets (prompt + output): the config's cap within the model's."""
+    model_len = getattr(model_config, "max_position_embeddings", None) or 4096
+    return min(config.max_model_len or model_len, model_len)
+
+
+def quiet_tokenizer(tokenizer):
+    """The tokenizer without transformers' one-time "sequence length is longer than the specified
+    maximum" warning: the engine checks prompts against the context and says so itself."""
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
+
+
+def progress_bars(progress: bool, what: str) -> bool:
+    """Progress bars only on a terminal; elsewhere (a log file, a pipe) one plain line on stderr."""
+    if not progress:
+        return False
+    if sys.stderr.isatty():
+        return True
+    print(f"[moetide] {what}", file=sys.stderr, flush=True)
+    return False
+
+
 def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[LoadedModel, LLMEngine, object]:
-    """Load the checkpoint and wire model, residency, runner and engine from one config."""
+    """Load the checkpoint and wire model, residency, runner and engine from one config.
+
+    The budget is checked against the model built on the meta device before any weight is read.
+    `progress`: bars while loading on a terminal, one line otherwise.
+    """
     from ..compute.fused_moe_config import moe_scratch_bytes
     from ..compute.runtime import check_lo_kernel
     from ..residency import build_residency
+    from .memory import check_budget
 
     inspect_checkpoint(config.model_path)  # a bad path is reported before the tokenizer is looked for
-    tokenizer = load_tokenizer(config.model_path)
+    tokenizer = quiet_tokenizer(load_tokenizer(config.model_path))
     device = resolve_device(config.device)
     check_lo_kernel(config.lo_kernel, device)  # before the weights load
+    check_budget(config)
+    cap = "no cap" if config.gpu_memory_bytes is None else f"cap {format_bytes(config.gpu_memory_bytes)}"
+    what = f"loading {config.model_path.name} on {device} ({config.policy}, {cap})"
+    progress = progress_bars(progress, what)
     loaded = load_model(
         config.model_path,
         device=device,
@@ -121,8 +157,7 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
     )
     loaded.runtime.set_lo_kernel(config.lo_kernel, device)
     attach_policy(config, loaded)
-    model_len = getattr(loaded.config, "max_position_embeddings", None) or 4096
-    max_model_len = min(config.max_model_len or model_len, model_len)
+    max_model_len = context_length(config, loaded.config)
     eos = set()
     for source in (tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)):
         if isinstance(source, int):
@@ -168,6 +203,8 @@ class LLM:
         out = llm.generate(["Hello"], moetide.SamplingParams(max_tokens=32, temperature=0))
         print(out[0].text)
 
+    `gpu_memory`: a size ("6GiB"), bytes, or "NN%" (the fixed part + NN % of all experts in hi
+    precision for this model); a budget too small for the policy is refused before the load.
     Other keyword arguments set `EngineConfig` fields (`lo_kernel`, `prefetch_distance`, `searcher`,
     `cuda_graphs`, ...); a name that is not one is an error.
     """
@@ -194,12 +231,13 @@ class LLM:
             model=str(model if model is not None else demo_model_path()),
             device=device,
             dtype=dtype,
-            gpu_memory_bytes=parse_bytes(gpu_memory),
             policy=policy,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             **extra,
         )
+        if gpu_memory is not None:  # "6GiB", bytes, or "25%" (of this model: see engine/memory.py)
+            self.config = replace(self.config, gpu_memory_bytes=resolve_budget(gpu_memory, self.config))
         self.loaded, self.engine, self.tokenizer = build_engine(self.config, progress=progress)
 
     @property

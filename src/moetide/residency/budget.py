@@ -118,6 +118,7 @@ def plan_memory(
     lo_slot_bytes: int,
     min_hi_slots: int,
     mode: str,
+    lo_precision: str | None = None,
 ) -> MemoryPlan:
     """Split the budget left after `fixed` into expert slots.
 
@@ -127,29 +128,37 @@ def plan_memory(
         "hi-cache" all expert memory is a hi cache (on-demand, lru, finemoe, moe-infinity).
         "lo+hi"    every expert resident in lo, the rest a hi cache (dynaexq, combined); if lo does
                    not fit whole, it becomes a lo cache of what fits beside `min_hi_slots` hi slots.
+    lo_precision: the lo version's name ("int4", "int2"), for the error messages only.
+
+    The errors give the parts at this budget (the KV reservation in the fixed part grows with the
+    budget); `engine.memory.check_budget` adds the smallest budget that fits.
     """
     left = budget_bytes - fixed.total
     need_min = min_hi_slots * hi_slot_bytes if mode != "all-lo" else min_hi_slots * lo_slot_bytes
+    fixed_part = f"the fixed part (non-expert weights, KV cache, activations) {format_bytes(fixed.total)}"
     if left < need_min:
         raise BudgetError(
-            f"--gpu-memory {format_bytes(budget_bytes)} is too small: the fixed part alone needs"
-            f" {format_bytes(fixed.total)} and the experts at least {format_bytes(need_min)};"
-            f" the minimum is {format_bytes(fixed.total + need_min)}"
+            f"--gpu-memory {format_bytes(budget_bytes)} is too small: {fixed_part} + at least"
+            f" {min_hi_slots} experts {format_bytes(need_min)} do not fit"
         )
     if mode == "all-hi":
         need = num_experts_total * hi_slot_bytes
         if need > left:
             raise BudgetError(
-                f"no-offload needs {format_bytes(fixed.total + need)} for all experts in bf16 but --gpu-memory is"
+                f"no-offload keeps every expert in hi precision: {fixed_part} + {num_experts_total} experts"
+                f" {format_bytes(need)} = {format_bytes(fixed.total + need)}, more than --gpu-memory"
                 f" {format_bytes(budget_bytes)}; raise it or choose an offloading policy"
             )
         return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, num_experts_total, 0)
     if mode == "all-lo":
         need = num_experts_total * lo_slot_bytes
         if need > left:
+            smaller = "use static-int2, " if lo_precision not in ("int2", None) else ""
             raise BudgetError(
-                f"all experts in lo precision need {format_bytes(fixed.total + need)} but --gpu-memory is"
-                f" {format_bytes(budget_bytes)}; use int2, a larger budget or an offloading policy"
+                f"every expert resident in {lo_precision or 'lo precision'}: {fixed_part} +"
+                f" {num_experts_total} experts {format_bytes(need)} = {format_bytes(fixed.total + need)},"
+                f" more than --gpu-memory {format_bytes(budget_bytes)}; {smaller}raise the budget or"
+                " choose an offloading policy"
             )
         return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, 0, num_experts_total)
     if mode == "hi-cache":
