@@ -288,7 +288,7 @@ def test_streamed_prefixes_never_change_with_the_demo_tokenizer():
     """Each streamed piece is final: with the demo model's byte-level BPE, every stable prefix of a
     partial decode (half-decoded characters held back) is a prefix of the full text."""
     from moetide.engine.llm import demo_model_path
-    from moetide.serve.async_engine import _stable_prefix
+    from moetide.engine.detokenize import stable_prefix as _stable_prefix
 
     path = demo_model_path()
     if not (path / "tokenizer.json").exists():

@@ -23,6 +23,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
+from ..engine.detokenize import stable_prefix
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Sequence
@@ -356,7 +357,7 @@ class AsyncEngine:
             num_tokens = len(seq.output_ids)
             if num_tokens == tracked.sent_tokens and not seq.finished:
                 continue
-            text = seq.text if seq.finished else _stable_prefix(seq.text, tracked.hold_back_chars)
+            text = seq.text if seq.finished else stable_prefix(seq.text, tracked.hold_back_chars)
             delta = text[tracked.sent_chars :] if len(text) > tracked.sent_chars else ""
             new_ids = list(seq.output_ids[tracked.sent_tokens : num_tokens])
             if tracked.sent_tokens == 0 and num_tokens > 0 and seq.first_token_s is not None:
@@ -411,15 +412,6 @@ def _failed_sequence(stream: RequestStream) -> Sequence:
     seq = Sequence(stream.prompt_ids, SamplingParams(), request_id=stream.request_id)
     seq.finish("error")
     return seq
-
-
-def _stable_prefix(text: str, hold_back_chars: int) -> str:
-    """The part of a growing text that later tokens cannot change: no trailing half-decoded
-    character (U+FFFD), and not the last `hold_back_chars` characters (a stop string may start there)."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    return text[: max(0, end - hold_back_chars)]
 
 
 def _vocab_size(engine: LLMEngine) -> int:
