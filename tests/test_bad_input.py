@@ -174,7 +174,7 @@ def assert_refused_before_load(proc: subprocess.CompletedProcess, *fragments: st
         (["--max-tokens", "-3"], ["max_tokens must be an integer >= 1"]),
         (["--top-p", "0"], ["top_p must be in (0, 1]"]),
         (["--top-p", "1.5"], ["top_p must be in (0, 1]"]),
-        (["--temperature", "-1"], ["temperature must be >= 0"]),
+        (["--temperature", "-1"], ["temperature must be a finite number >= 0"]),
         (["--max-tokens", "ten"], ["--max-tokens", "invalid int value"]),
     ],
 )

@@ -410,7 +410,7 @@ def test_bench_cli_end_to_end(qwen3_checkpoint, tmp_path):
         "lo_kernel": "dequant",
         "cuda_graphs": "off",
         "searcher": "thread",
-        "lo_kernel_max_tokens": 0,
+        "moe_kernel": "reference",
     }
     assert run["cuda_graph_stats"] is None  # off (and a CPU run has no graphs either)
     proc = run_cli("bench", "--model", str(qwen3_checkpoint), "--mode", "online", "--out", str(tmp_path))

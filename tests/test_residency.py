@@ -596,7 +596,7 @@ def test_static_budget_messages_say_what_to_type():
 
     for policy, suggests_int2 in (("static-int4", True), ("static-int2", False)):
         config = EngineConfig(
-            model=str(demo_model_path()), device="cpu", policy=policy, gpu_memory_bytes=96 << 20
+            model=str(demo_model_path()), device="cpu", policy=policy, gpu_memory_bytes=100 << 20
         )
         with pytest.raises(BudgetError) as e:
             check_budget(config)

@@ -47,7 +47,8 @@ def model_bytes(config: EngineConfig) -> ModelBytes:
     """Fixed costs and expert sizes of `config`'s model on `config`'s device, without loading weights."""
     from ..models.checkpoint import inspect_checkpoint
     from ..models.loader import build_empty_model, moe_blocks, resolve_device, resolve_dtype
-    from ..residency import fixed_costs
+    from ..compute.fused_moe_config import moe_scratch_bytes
+    from ..residency import MAX_PREFILL_TOKENS, fixed_costs
     from ..store import quant
 
     info = inspect_checkpoint(config.model_path)
@@ -71,7 +72,8 @@ def model_bytes(config: EngineConfig) -> ModelBytes:
         return hi_bytes if precision == "hi" else quant.nbytes_for(precision, intermediate, hidden, dtype)
 
     def fixed_at(budget_bytes: int) -> FixedCosts:
-        fixed = fixed_costs(config, info.config, model, dtype, hi_bytes, budget_bytes)  # meta weights count 0
+        scratch = moe_scratch_bytes(info.config, hi_bytes, MAX_PREFILL_TOKENS)
+        fixed = fixed_costs(config, info.config, model, dtype, scratch, budget_bytes)  # meta weights count 0
         return dataclasses.replace(fixed, non_expert_weights=fixed.non_expert_weights + weights)
 
     return ModelBytes(
@@ -90,10 +92,11 @@ def plan_for(config: EngineConfig, mb: ModelBytes, budget_bytes: int) -> MemoryP
     Where the lo precision is "auto", int2 stands in for it: the smallest lo version, so a budget
     is never refused here that the load would take.
     """
-    from ..residency import POLICY_MODES
+    from ..policies.registry import policy_spec
 
-    mode, needs_lo = POLICY_MODES[config.policy]
-    lo = {"static-int4": "int4", "static-int2": "int2"}.get(config.policy) or config.lo_precision
+    spec = policy_spec(config.policy)
+    mode, needs_lo = spec.memory_mode, spec.needs_lo
+    lo = spec.lo_precision or config.lo_precision
     lo = "int2" if lo == "auto" else lo
     hi = config.hi_precision if mode == "lo+hi" else "hi"
     if hi != "hi":
