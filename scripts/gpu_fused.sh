@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the fused MoE path: its tests, the per-layer kernel timings (and tuning),
 # then decode tok/s and prefill TTFT against transformers' static-cache generate. Steps named in $@:
-#   tests tune bench compile
+#   tests gputests tune bench
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,6 +16,8 @@ for step in "$@"; do
   case "$step" in
     tests) timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_fused_moe.py tests/test_gpu.py \
              tests/test_graphed_decode.py -k "${TESTS_K:-not under_interpreter}" 2>&1 | tail -25 ;;
+    gputests) timeout $(T ${TESTS_S:-240}) python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k fused_kernel 2>&1 | tail -4
+             timeout $(T ${TESTS_S:-240}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -25 ;;
     tune)  timeout $(T ${TUNE_S:-200}) python3 scripts/tune_fused_moe.py --out "$OUT/fused_layer.json" ${TUNE_ARGS:---tokens 1,8,32,128} ;;
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \
              | grep -v "Warn\|Loading\|it/s\]" ;;
