@@ -397,6 +397,24 @@ def test_hi_resident_outputs_equal_the_foundation(tiny_checkpoints, policy):
     llm.close()
 
 
+def test_direct_residency_off_the_cpu_stages_each_steps_experts_as_the_kernels_pool(tiny_checkpoints):
+    """Direct residency on a device that is not the host (the foundation reference on a GPU) copies
+    the step's experts into one staged arena, which is the kernel's pool for that step. Exercised on
+    the CPU by naming another device type: the logits still equal transformers' own."""
+    from moetide.residency.direct import DirectResidency
+
+    path, reference = tiny_checkpoints["qwen2_moe"]
+    llm = moetide.LLM(path, device="cpu", policy="no-offload")
+    runtime = llm.loaded.runtime
+    assert isinstance(runtime.residency, DirectResidency)
+    runtime.residency = DirectResidency(runtime.residency.store, runtime.metrics, device_type="cuda")
+    ids = torch.randint(5, 90, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(llm.loaded.model(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
+    assert runtime.metrics.host_syncs > 0  # it went through acquire, not the static table
+    llm.close()
+
+
 def test_impossible_budget_is_a_clear_error(qwen3_checkpoint):
     with pytest.raises(BudgetError, match="too small"):
         moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory="1MiB")

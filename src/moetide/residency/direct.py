@@ -27,6 +27,8 @@ class ResolvedExpert:
     precision: str
     views: dict[str, torch.Tensor]
     meta: object = None
+    pool: str = "store"  # the kernel pool holding it (`DirectResidency.kernel_pools`)
+    slot: int = 0
 
 
 class DirectResidency:
@@ -38,6 +40,7 @@ class DirectResidency:
         self.device_type = device_type
         self._pools = None
         self._table = None
+        self._staged = None  # (n, bytes) on the device: the experts of the last acquire (GPU)
 
     def begin_iteration(self, iteration: int) -> None:
         pass
@@ -49,7 +52,8 @@ class DirectResidency:
         counters.used += len(experts)
         resolved = {}
         start = time.perf_counter()
-        for e in experts:
+        rows = []
+        for slot, e in enumerate(experts):
             buf = self.store.buffer(layer, e, "hi")
             if buf.device != device:
                 buf = buf.to(device, non_blocking=True)
@@ -57,7 +61,10 @@ class DirectResidency:
                 counters.misses += 1
             else:
                 counters.hits += 1
-            resolved[e] = ResolvedExpert("hi", hi_views(buf, self.store.shape))
+            rows.append(buf)
+            resolved[e] = ResolvedExpert("hi", hi_views(buf, self.store.shape), slot=slot)
+        # this step's experts as one arena: the kernel's only pool until the next acquire
+        self._staged = torch.stack(rows) if rows else None
         if device.type == "cuda" and counters.misses:
             torch.cuda.current_stream(device).synchronize()  # the copies above are the stall
         counters.stall_s += time.perf_counter() - start if device.type == "cuda" else 0.0
@@ -69,7 +76,12 @@ class DirectResidency:
     pool_ids = {"store": 0}
 
     def kernel_pools(self, dtype: torch.dtype) -> list:
-        """The host store's hi arena as the one pool (CPU: host memory is the device's)."""
+        """The one pool: on the CPU the host store's hi arena (host memory is the device's), on a
+        GPU the experts the last `acquire` copied over, slot i = its i-th expert."""
+        if self.device_type != "cpu" and self._staged is not None:
+            from .slot_table import pool_for
+
+            return [pool_for(self._staged, None, self.store.shape, dtype)]
         if self._pools is None:
             from .slot_table import pool_for
 
