@@ -115,6 +115,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         " from Python (off)",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="residency decisions depend on the request stream alone (copies published at step"
+        " boundaries, searches inline, DynaExq updates by step count): identical runs, identical tokens",
+    )
+    p.add_argument(
         "--compile",
         default="off",
         choices=COMPILE_MODES,
@@ -166,6 +172,7 @@ def precision_options_from_args(args) -> dict:
         "lo_kernel": args.lo_kernel,
         "cuda_graphs": args.cuda_graphs,
         "compile": args.compile,
+        "deterministic": args.deterministic,
         "searcher": args.searcher,
     }
 

@@ -97,6 +97,11 @@ class EngineConfig:
             non-expert elementwise work; the MoE layers stay the fused kernel; CUDA only, once per
             batch and column bucket) before capturing it; "off" (the default, see BENCHMARKS.md for
             the measurement) captures the eager step.
+        deterministic: residency decisions become a function of the request stream alone: copies are
+            published only at step boundaries (each step waits for the copies issued before it),
+            FineMoE's searches run inline on the forward thread, and DynaExq updates every
+            `DETERMINISTIC_UPDATE_STEPS` steps instead of every T_u seconds. Two identical runs then
+            give identical greedy tokens for every policy. Costs the overlap of copies with compute.
         searcher: where FineMoE's map searcher runs (finemoe, combined): "process" (the default: its
             own process, fed through shared memory; the forward thread only copies observations
             in and decisions out) or "thread" (a thread of the engine's process, which shares the
@@ -120,6 +125,7 @@ class EngineConfig:
     lo_kernel: str = "auto"
     cuda_graphs: str = "auto"
     compile: str = "off"
+    deterministic: bool = False
     searcher: str = "process"
     extra: dict = field(default_factory=dict)
 

@@ -67,7 +67,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     """
     from ..policies import make_policy
     from ..policies.hooks import PolicyHooks
-    from ..policies.registry import policy_spec
+    from ..policies.registry import DETERMINISTIC_UPDATE_STEPS, policy_spec, step_clock
 
     spec = policy_spec(config.policy)
     residency = loaded.runtime.residency
@@ -81,12 +81,15 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     n_hi = None
     if spec.hi_share is not None:
         n_hi = min(experts, int(residency.plan.hi_slots * spec.hi_share) // layers)
+    # --deterministic: searches inline, DynaExq's updates every DETERMINISTIC_UPDATE_STEPS steps
+    timing = {"synchronous": True, "clock": step_clock(), "update_interval_s": DETERMINISTIC_UPDATE_STEPS}
     policy = make_policy(
         config.policy,
         prefetch_distance=config.prefetch_distance,
         n_hi=n_hi,
         map_store_path=config.extra.get("map_store_path"),
         searcher=config.searcher,
+        **(timing if config.deterministic else {}),
     )
     loaded.policy = policy
     residency.options = replace(residency.options, eviction=spec.eviction)

@@ -25,6 +25,7 @@ def make_policy(
     map_store_path: str | None = None,
     synchronous: bool = False,
     searcher: str = "process",
+    **options,
 ):
     """The policy object for a `--policy` name (its `PolicySpec.factory` in `registry.py`).
 
@@ -43,5 +44,6 @@ def make_policy(
             map_store_path=map_store_path,
             synchronous=synchronous,
             searcher=searcher,
+            **options,  # other `PolicyOptions` fields (`clock`)
         )
     )

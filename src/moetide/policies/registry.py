@@ -13,8 +13,19 @@ Memory modes (see residency/budget.py):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+
+DETERMINISTIC_UPDATE_STEPS = 8  # DynaExq's T_u in steps under --deterministic (no clock time)
+
+
+def step_clock() -> Callable[[], float]:
+    """A clock that advances by one at each call (DynaExq reads it once per step): under
+    --deterministic its updates fall on fixed step boundaries, whatever the wall time."""
+    steps = iter(range(1 << 62))
+    return lambda: float(next(steps))
 
 
 @dataclass(frozen=True)
@@ -28,8 +39,10 @@ class PolicyOptions:
     max_transitions_per_update: int | None = None
     map_store_capacity: int = 1000
     map_store_path: str | None = None  # a saved FineMoE store to start from
-    synchronous: bool = False  # FineMoE's searcher inline (simulation, tests)
+    synchronous: bool = False  # FineMoE's searcher inline (simulation, tests, --deterministic)
     searcher: str = "process"
+    # DynaExq's clock: seconds (time-based updates), or under --deterministic a count of steps
+    clock: Callable[[], float] | None = time.monotonic
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,7 @@ def _dynaexq(o: PolicyOptions, name: str = "dynaexq"):
         update_interval_s=o.update_interval_s,
         hysteresis_margin=o.hysteresis_margin,
         max_transitions_per_update=o.max_transitions_per_update,
+        clock=o.clock,
     )
 
 

@@ -150,7 +150,11 @@ def build_residency(
         )
     )
     options = ResidencyOptions(
-        mode=mode, lo_precision=lo, on_miss=spec.on_miss or config.on_miss, hi_precision=hi_precision
+        mode=mode,
+        lo_precision=lo,
+        on_miss=spec.on_miss or config.on_miss,
+        hi_precision=hi_precision,
+        deterministic=config.deterministic,
     )
     manager = ResidencyManager(store, metrics, plan, tracker, transfer, device, options)
     preload = {"all-hi": "hi", "all-lo": "lo", "lo+hi": "lo"}.get(mode)

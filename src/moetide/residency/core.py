@@ -59,6 +59,8 @@ class ResidencyOptions:
     protect_iterations: int = 1
     hi_precision: str = "hi"  # the version the hi pool holds: "hi" (checkpoint precision) or "int4"
     eviction: str = "lru"
+    # publish copies only at step boundaries, after waiting for them (EngineConfig.deterministic)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_RULES:
@@ -138,6 +140,8 @@ class ResidencyManager:
 
     # -- iteration bookkeeping ----------------------------------------------------------------------
     def begin_iteration(self, iteration: int) -> None:
+        if self.options.deterministic:
+            self._publish_all_copies()
         self.iteration = iteration
         self._layers_done = -1
         stale = self.iteration - self.options.protect_iterations
@@ -316,9 +320,19 @@ class ResidencyManager:
         return version
 
     def _publish_if_ready(self, version: DeviceVersion) -> bool:
-        if not version.published and version.ready.query():
+        # deterministic: a copy becomes visible at the next step boundary, whenever it lands
+        if not version.published and not self.options.deterministic and version.ready.query():
             version.published = True
         return version.published
+
+    def _publish_all_copies(self) -> None:
+        """Wait for every copy in flight and publish it (a step boundary under `deterministic`)."""
+        for pool in self._lru.values():
+            for layer, expert in pool:
+                for version in self.handles[layer][expert].versions.values():
+                    if not version.published:
+                        version.ready.synchronize()
+                        version.published = True
 
     def _issue_prefetch(self, iteration: int, layer: int, expert: int, victims_for=None) -> bool:
         """Start one queued prefetch; True if it started a copy. Requests older than the previous
