@@ -24,6 +24,7 @@ import torch
 
 import moetide
 from moetide.bench.synthetic import write_synthetic_checkpoint
+from moetide.policies.registry import policy_spec
 
 
 def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -146,7 +147,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.policies.split(","):
         policy, _, own_budget = spec.partition("@")  # static-int4@6GiB: this policy's own budget
-        budget = None if policy == "no-offload" else own_budget or args.budget
+        # a policy that offloads nothing runs uncapped (the whole model on the GPU)
+        budget = None if policy_spec(policy).memory_mode == "all-hi" else own_budget or args.budget
         for compile_mode in args.compile.split(","):
             try:
                 report["runs"] += bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill,
