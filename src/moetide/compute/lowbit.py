@@ -13,11 +13,7 @@ from ..store import quant
 
 def row_views(rows: torch.Tensor, meta: quant.QuantMeta) -> dict[str, torch.Tensor]:
     """Strided typed views `(P, *slot.shape)` of every slot of `rows (P, nbytes)`; no copy."""
-    views = {}
-    for slot in meta.slots:
-        raw = rows[:, slot.offset_bytes : slot.offset_bytes + slot.nbytes]
-        views[slot.name] = raw.view(slot.dtype).view(rows.shape[0], *slot.shape)
-    return views
+    return quant.expert_row_views(rows, meta)
 
 
 def _dequantize_batched(
@@ -39,10 +35,15 @@ def _dequantize_batched(
 def dequantize_rows(
     rows: torch.Tensor, meta: quant.QuantMeta, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows (P, nbytes)` of lo versions -> `gate_up (P, 2I, H)`, `down (P, H, I)` in `dtype`."""
+    """`rows (P, nbytes)` of lo versions -> `gate_up (P, 2I, H)`, `down (P, H, I)` in `dtype`.
+
+    Each matrix is unpacked at its own width (`meta.bits_gate_up`, `meta.bits_down`): "int2+4" rows
+    give int2 gate_up and int4 down."""
     v = row_views(rows, meta)
-    gate_up = _dequantize_batched(
-        v["gate_up_packed"], v["gate_up_scale"], v["gate_up_offset"], meta.bits, dtype
+    gate_up, down = (
+        _dequantize_batched(
+            v[f"{name}_packed"], v[f"{name}_scale"], v[f"{name}_offset"], meta.bits_of(name), dtype
+        )
+        for name in ("gate_up", "down")
     )
-    down = _dequantize_batched(v["down_packed"], v["down_scale"], v["down_offset"], meta.bits, dtype)
     return gate_up, down

@@ -73,6 +73,7 @@ class HostExpertStore:
         self.meta: dict[str, object] = {}
         self.versions: dict[str, torch.Tensor] = {}
         self._filled: torch.Tensor = torch.zeros(num_layers, num_experts, 3, dtype=torch.bool)
+        self.checkpoint_dtype: torch.dtype | None = None  # the dtype the checkpoint's tensors came in
         self._allocate("hi", None, shape.hi_nbytes)
 
     # -- allocation ---------------------------------------------------------------------------------
@@ -124,6 +125,16 @@ class HostExpertStore:
             )
         target.copy_(tensor)
         self._filled[layer, expert, ("gate", "up", "down").index(role)] = True
+        self.checkpoint_dtype = self.checkpoint_dtype or tensor.dtype
+
+    @property
+    def values_dtype(self) -> torch.dtype:
+        """The narrowest dtype that holds the hi values exactly: the checkpoint's when the store
+        widened it to float32 (an exact cast), else the store's. Quantizing is a function of the
+        values alone, so two stores with the same values_dtype give the same lo versions."""
+        if self.shape.dtype == torch.float32 and self.checkpoint_dtype is not None:
+            return self.checkpoint_dtype
+        return self.shape.dtype
 
     def check_complete(self) -> None:
         """Raise CheckpointError naming the first expert tensor the checkpoint did not provide."""
@@ -136,26 +147,41 @@ class HostExpertStore:
 
     # -- lo versions -----------------------------------------------------------------------------------
     def add_precision(self, precision: str, progress=None, device: torch.device | str | None = None) -> None:
-        """Quantize every hi expert into a new `precision` arena ("int4" or "int2").
+        """Quantize every hi expert into a new `precision` arena (any low-bit `quant.FORMATS` name).
 
-        `device`: where the quantizer runs (CUDA is ~50x faster for large models; the result is the
-        same function of the weights, and lands in host memory either way).
+        Experts are quantized `experts_per_batch` at a time, stacked into one matrix per projection
+        (`quant.pack_experts`). `device`: where the quantizer runs (a GPU is faster for large models;
+        the result is the same function of the weights, and lands in host memory either way).
+        `progress`: anything with `update(n)` (a tqdm bar), advanced by experts.
         """
         from . import quant
 
-        arena = None
-        for layer in range(self.num_layers):
-            for expert in range(self.num_experts):
-                hi = self.views(layer, expert, "hi")
-                if device is not None:
-                    hi = {k: v.to(device, non_blocking=True) for k, v in hi.items()}
-                buf, meta = quant.pack_expert(hi["gate_up"], hi["down"], precision)
-                buf = buf.cpu()
-                if arena is None:
-                    arena = self._allocate(precision, meta, buf.numel())
-                arena[self.row(layer, expert)].copy_(buf)
-                if progress is not None:
-                    progress.update(1)
+        shape = self.shape
+        meta = quant.expert_layout(precision, shape.intermediate, shape.hidden, shape.dtype)
+        arena = self._allocate(precision, meta, meta.nbytes)
+        gate_up_all, down_all = hi_group_views(self.versions["hi"], shape)
+        step = self.experts_per_batch(device)
+        for start in range(0, arena.shape[0], step):
+            stop = min(start + step, arena.shape[0])
+            gate_up, down = gate_up_all[start:stop], down_all[start:stop]
+            if device is not None:
+                gate_up, down = gate_up.to(device), down.to(device)
+                rows = torch.empty((stop - start, meta.nbytes), dtype=torch.uint8, device=device)
+                quant.pack_experts(gate_up, down, meta, rows)
+                arena[start:stop].copy_(rows)
+            else:
+                quant.pack_experts(gate_up, down, meta, arena[start:stop])
+            if progress is not None:
+                progress.update(stop - start)
+
+    # Weights quantized per batch: 4 M on the CPU (16 MiB per float32 temporary, so a batch's ~20
+    # live temporaries stay near the caches), 64 M on a GPU (enough to fill it).
+    WEIGHTS_PER_BATCH = {"cpu": 1 << 22, "cuda": 1 << 26}
+
+    def experts_per_batch(self, device: torch.device | str | None = None) -> int:
+        kind = torch.device(device).type if device is not None else "cpu"
+        per_expert = 3 * self.shape.intermediate * self.shape.hidden
+        return max(1, self.WEIGHTS_PER_BATCH.get(kind, 1 << 22) // per_expert)
 
     def load_precision(self, precision: str, arena: torch.Tensor, meta) -> None:
         """Adopt a prepared arena (from the on-disk cache) for `precision`."""

@@ -151,13 +151,13 @@ def expert_forward_lowbit(
     Same result as `quant.expert_forward` up to float32 summation order.
     """
     if not meta.is_low_bit:
-        raise ValueError(f"expert_forward_lowbit needs an int4/int2 version, got {meta.precision}")
+        raise ValueError(f"expert_forward_lowbit needs a low-bit version, got {meta.precision}")
     gate_up = lowbit_linear(
         x,
         views["gate_up_packed"],
         views["gate_up_scale"],
         views["gate_up_offset"],
-        meta.bits,
+        meta.bits_gate_up,
         meta.group_size_gate_up,
         config,
     )
@@ -167,7 +167,7 @@ def expert_forward_lowbit(
         views["down_packed"],
         views["down_scale"],
         views["down_offset"],
-        meta.bits,
+        meta.bits_down,
         meta.group_size_down,
         config,
     )
