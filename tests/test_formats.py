@@ -30,7 +30,7 @@ def demo_experts(count: int):
     wanted = {}
     for shard in sorted(root.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 if name.startswith("model.layers.0.mlp.experts.") and int(name.split(".")[5]) < count:
                     wanted[name] = f.get_tensor(name).float()
     prefix = "model.layers.0.mlp.experts"
@@ -53,7 +53,12 @@ def test_every_registered_format_has_a_layout_and_its_bits_per_weight():
         assert meta.precision == name and meta.bits_per_weight == bits
         assert quant.bits_per_weight(name, 128, 256) == bits
     mixed = expert_layout("int2+4", 128, 256, torch.bfloat16)
-    assert (mixed.bits_gate_up, mixed.bits_down, mixed.group_size_gate_up, mixed.group_size_down) == (2, 4, 128, 64)
+    assert (mixed.bits_gate_up, mixed.bits_down, mixed.group_size_gate_up, mixed.group_size_down) == (
+        2,
+        4,
+        128,
+        64,
+    )
     assert [s.name for s in mixed.slots] == [
         "gate_up_packed", "gate_up_scale", "gate_up_offset", "down_packed", "down_scale", "down_offset"
     ]  # fmt: skip
@@ -82,7 +87,7 @@ def test_mixed_version_holds_each_matrix_at_its_own_width(dtype):
         assert torch.equal(views[f"{name}_scale"], q.scale) and torch.equal(views[f"{name}_offset"], q.offset)
     gate_up_hat, down_hat = dequantize(views, meta, torch.float32)
     # int4 down is far closer than int2 gate_up: each matrix was decoded at its own width
-    err = lambda a, b: float((a - b.float()).norm() / b.float().norm())  # noqa: E731
+    err = lambda a, b: float((a - b.float()).norm() / b.float().norm())
     assert err(down_hat, down) < 0.12 < err(gate_up_hat, gate_up) < 0.45
     rows = torch.stack([buffer, pack_expert(gate_up * 2, down * 2, "int2+4")[0]])
     batched_gu, batched_dn = dequantize_rows(rows, meta, torch.float32)
@@ -123,36 +128,42 @@ def group_error_of(weight, bits, group_size):
 
 @pytest.mark.parametrize("bits,group_size", [(4, 64), (2, 128), (2, 64)])
 def test_default_quantizer_error_is_no_worse_than_hqq_on_the_demo_experts(bits, group_size):
-    """"ls" (the default) against the former default "hqq", on real expert weights (4 experts)."""
+    """ "ls" (the default) against the former default "hqq", on real expert weights (4 experts)."""
     gate_up, down = demo_experts(4)
     for weight in (gate_up.reshape(-1, gate_up.shape[-1]), down.reshape(-1, down.shape[-1])):
         errors = {}
         for method in ("ls", "hqq", "rtn"):
             q = quant.quantize(weight, bits, group_size, method)
-            errors[method] = float((dequantize_matrix(q.codes, q.scale, q.offset, torch.float32) - weight).square().sum())
+            errors[method] = float(
+                (dequantize_matrix(q.codes, q.scale, q.offset, torch.float32) - weight).square().sum()
+            )
         assert errors["ls"] <= errors["hqq"] < errors["rtn"]
 
 
-def test_least_squares_refit_never_raises_a_group_error():
-    weight = torch.cat([gaussian((8, 256), 8, 0.02), gaussian((8, 256), 9, 3.0), torch.full((2, 256), 0.5)])
-    for bits in (4, 2):
-        def group_error(method):
-            q = quant.quantize(weight, bits, 64, method)
-            return (dequantize_matrix(q.codes, q.scale, q.offset, torch.float32) - weight).square().reshape(-1, 4, 64).sum(-1)
+def _group_error(weight, bits, group_size, method):
+    q = quant.quantize(weight, bits, group_size, method)
+    error = (dequantize_matrix(q.codes, q.scale, q.offset, torch.float32) - weight).square()
+    return error.reshape(weight.shape[0], -1, group_size).sum(-1)
 
-        ls, rtn = group_error("ls"), group_error("rtn")
-        assert bool((ls <= rtn + 1e-6 * rtn.max()).all())
-        assert float(ls[-2:].max()) == 0.0  # a constant group stays exact
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_least_squares_refit_never_raises_a_group_error(bits):
+    weight = torch.cat([gaussian((8, 256), 8, 0.02), gaussian((8, 256), 9, 3.0), torch.full((2, 256), 0.5)])
+    ls, rtn = _group_error(weight, bits, 64, "ls"), _group_error(weight, bits, 64, "rtn")
+    assert bool((ls <= rtn + 1e-6 * rtn.max()).all())
+    assert float(ls[-2:].max()) == 0.0  # a constant group stays exact
 
 
 def test_config_and_cli_take_every_low_bit_format():
-    from moetide.cli import add_engine_args, engine_config_from_args
-
     import argparse
+
+    from moetide.cli import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = parser.parse_args(["--lo", "int2+4", "--hi", "int4", "--policy", "dynaexq", "--cache-dir", "/tmp/x"])
+    args = parser.parse_args(
+        ["--lo", "int2+4", "--hi", "int4", "--policy", "dynaexq", "--cache-dir", "/tmp/x"]
+    )
     config = engine_config_from_args(args)
     assert (config.lo_precision, config.hi_precision, config.cache_dir) == ("int2+4", "int4", "/tmp/x")
     with pytest.raises(ConfigError, match="fewer bytes"):
@@ -181,7 +192,9 @@ def _bf16_copy(source, target):
 
     shutil.copytree(source, target)
     for shard in target.glob("*.safetensors"):
-        tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(shard).items()}
+        tensors = {
+            k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(shard).items()
+        }
         save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
@@ -247,7 +260,9 @@ def test_greedy_outputs_match_the_dequantize_reference(tiny_checkpoints, lo, hi,
     precision = hi if pool == "hi" else lo
     prompt = [5, 17, 42, 9, 33]
     out = llm.generate([prompt], moetide.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    assert out.token_ids == _greedy(_dequantized_reference(reference, llm.loaded.store, precision), prompt, 12)
+    assert out.token_ids == _greedy(
+        _dequantized_reference(reference, llm.loaded.store, precision), prompt, 12
+    )
     snap = llm.metrics.snapshot()
     assert (snap["lo_runs"] > 0) == (pool == "lo")
     llm.close()

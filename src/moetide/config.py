@@ -137,7 +137,9 @@ class EngineConfig:
         if self.searcher not in SEARCHERS:
             raise ConfigError(f"--searcher must be one of {', '.join(SEARCHERS)}, got {self.searcher!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
-            raise ConfigError(f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
+            raise ConfigError(
+                f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}"
+            )
         if self.on_miss not in ("stall", "lo"):
             raise ConfigError(f"--on-miss must be 'stall' or 'lo', got {self.on_miss!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

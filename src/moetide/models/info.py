@@ -71,7 +71,7 @@ def describe_checkpoint(path) -> str:
         f"parameters    {s['params_total'] / 1e6:,.1f} M total, {s['params_experts'] / 1e6:,.1f} M in experts,"
         f" {s['params_non_expert'] / 1e6:,.1f} M other, {s['params_active_per_token'] / 1e6:,.1f} M active per token",
         "bytes/expert  " + ", ".join(f"{p} {format_bytes(b)}" for p, b in per.items()),
-        "bits/weight   "
+        ("bits/weight   ")
         + ", ".join(f"{p} {8 * b / s['params_per_expert']:.2f}" for p, b in per.items())
         + "  (stored bytes: scales, offsets, padding)",
         "all experts   " + ", ".join(f"{p} {format_bytes(b * n_exp)}" for p, b in per.items()),

@@ -57,9 +57,10 @@ def lo_precision_for(
     shape = store.shape
     for precision in candidates[:-1]:
         every = store.num_layers * store.num_experts
-        if every * quant.nbytes_for(precision, shape.intermediate, shape.hidden, shape.dtype) <= (
-            1 - AUTO_LO_MIN_HI_SHARE
-        ) * expert_room:
+        if (
+            every * quant.nbytes_for(precision, shape.intermediate, shape.hidden, shape.dtype)
+            <= (1 - AUTO_LO_MIN_HI_SHARE) * expert_room
+        ):
             return precision
     return candidates[-1]
 

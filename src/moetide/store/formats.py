@@ -42,7 +42,9 @@ FORMATS = MappingProxyType(
     {
         "hi": FormatSpec("hi", 0, 0, summary="the checkpoint's dtype (bf16 on a GPU)"),
         "int4": FormatSpec("int4", 4, 4, 64, 64, summary="int4, group 64"),
-        "int2+4": FormatSpec("int2+4", 2, 4, 128, 64, summary="int2 gate_up (group 128), int4 down (group 64)"),
+        "int2+4": FormatSpec(
+            "int2+4", 2, 4, 128, 64, summary="int2 gate_up (group 128), int4 down (group 64)"
+        ),
         "int2": FormatSpec("int2", 2, 2, 128, 128, summary="int2, group 128"),
     }
 )

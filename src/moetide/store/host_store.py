@@ -11,6 +11,7 @@ allocated (and, with CUDA, pinned) once, before any weight is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -176,7 +177,7 @@ class HostExpertStore:
 
     # Weights quantized per batch: 4 M on the CPU (16 MiB per float32 temporary, so a batch's ~20
     # live temporaries stay near the caches), 64 M on a GPU (enough to fill it).
-    WEIGHTS_PER_BATCH = {"cpu": 1 << 22, "cuda": 1 << 26}
+    WEIGHTS_PER_BATCH = MappingProxyType({"cpu": 1 << 22, "cuda": 1 << 26})
 
     def experts_per_batch(self, device: torch.device | str | None = None) -> int:
         kind = torch.device(device).type if device is not None else "cpu"
