@@ -266,3 +266,23 @@ def test_greedy_outputs_match_the_dequantize_reference(tiny_checkpoints, lo, hi,
     snap = llm.metrics.snapshot()
     assert (snap["lo_runs"] > 0) == (pool == "lo")
     llm.close()
+
+
+def test_importance_weights_lower_the_error_where_they_say_it_counts():
+    """Activation-aware "ls": with a few heavy input channels, their weighted error drops against
+    the unweighted fit, and uniform importance reproduces the unweighted codes."""
+    weight = gaussian((64, 256), 11)
+    importance = torch.ones(256)
+    importance[::16] = 100.0  # one heavy channel per group of 16
+
+    def weighted_error(q):
+        w_hat = dequantize_matrix(q.codes, q.scale, q.offset, torch.float32)
+        return float(((w_hat - weight).square() * importance).sum())
+
+    plain = quant.quantize(weight, 2, 64, "ls")
+    aware = quant.quantize(weight, 2, 64, "ls", importance=importance)
+    assert weighted_error(aware) < 0.9 * weighted_error(plain)
+    uniform = quant.quantize(weight, 2, 64, "ls", importance=torch.full((256,), 3.0))
+    assert torch.equal(uniform.codes, plain.codes)
+    with pytest.raises(ValueError, match="ls"):
+        quant.quantize(weight, 2, 64, "hqq", importance=importance)

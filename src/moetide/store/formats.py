@@ -6,7 +6,8 @@ whole change (the layout, packing and dequantization follow the spec).
 
 Names: "hi" (alias "bf16": the checkpoint's dtype), "int<b>" (gate_up and down both b bits),
 "int<g>+<d>" (gate_up g bits, down d bits). Group sizes run along each matrix's input dimension
-(H for gate_up, I for down); None = `quant.default_group_size` for that width and K.
+(H for gate_up, I for down); each is the preferred size, halved while it does not divide K
+(`quant.default_group_size`); None = the default for that width.
 """
 
 from __future__ import annotations

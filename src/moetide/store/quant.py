@@ -206,7 +206,11 @@ class QuantMeta:
 
 
 def quantize(
-    weight: torch.Tensor, bits: int, group_size: int | None = None, method: str = DEFAULT_QUANT_METHOD
+    weight: torch.Tensor,
+    bits: int,
+    group_size: int | None = None,
+    method: str = DEFAULT_QUANT_METHOD,
+    importance: torch.Tensor | None = None,
 ) -> QuantizedMatrix:
     """Asymmetric group-wise quantization of `weight` (N, K) along K.
 
@@ -221,11 +225,16 @@ def quantize(
     Each step keeps, per group, whichever parameters have the lower squared error, so in Frobenius
     norm "hqq" <= "mse" <= "rtn" and "ls" <= "rtn" group by group.
     Rows are independent: any stack of matrices with the same K may be quantized as one (N, K).
+    importance ("ls" only): None, or (N, K) / (K,) non-negative weights of each element's squared
+    error, e.g. the mean square of the input channel's activations (activation-aware: the expected
+    output error of a row is ~ sum_k E[x_k^2] (w_k - w_hat_k)^2).
     Returns codes (N, K) uint8, scale and offset (N, K // group_size) float16.
     """
     group_size = _check_quant_args(weight, bits, group_size, method)
+    if importance is not None and method != "ls":
+        raise ValueError("importance weights need method 'ls'")
     if method == "ls":
-        return _quantize_ls(weight, bits, group_size)
+        return _quantize_ls(weight, bits, group_size, importance)
     groups = _as_groups(weight.to(torch.float32), group_size)  # (N, G, g)
     qmax = 2**bits - 1
     if method == "rtn":
@@ -245,7 +254,9 @@ def quantize(
     )
 
 
-def _quantize_ls(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedMatrix:
+def _quantize_ls(
+    weight: torch.Tensor, bits: int, group_size: int, importance: torch.Tensor | None = None
+) -> QuantizedMatrix:
     """The "ls" method, in chunks of rows (see QUANT_CHUNK_ELEMENTS). weight (N, K).
 
     On the CPU, chunks run on one Python thread per intra-op thread, each op single-threaded: the
@@ -260,9 +271,13 @@ def _quantize_ls(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedM
     step = max(1, QUANT_CHUNK_ELEMENTS // k)
     chunks = [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
 
+    if importance is not None:
+        importance = importance.to(weight.device, torch.float32).expand(n_rows, k)
+
     def run(rows: slice) -> None:
         groups = _as_groups(weight[rows].to(torch.float32), group_size)
-        s, o, c = _ls_params(groups, bits)
+        weights = None if importance is None else _as_groups(importance[rows].contiguous(), group_size)
+        s, o, c = _ls_params(groups, bits, weights)
         codes[rows] = c.reshape(-1, k).to(torch.uint8)
         scale[rows] = s.squeeze(-1).to(PARAM_DTYPE)
         offset[rows] = o.squeeze(-1).to(PARAM_DTYPE)
@@ -297,17 +312,23 @@ def _scaled_codes(groups: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
     return t.round().clamp_(0, qmax), t
 
 
-def _code_error(codes: torch.Tensor, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _dot(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Per group sum of weights * x * y over the last dim: (N, G, g) -> (N, G, 1)."""
+    return torch.linalg.vecdot(x if weights is None else x * weights, y, dim=-1).unsqueeze(-1)
+
+
+def _code_error(codes, t, scale, weights=None) -> torch.Tensor:
     r = codes - t
-    return torch.linalg.vecdot(r, r, dim=-1).unsqueeze(-1) * scale.square()
+    return _dot(r, r, weights) * scale.square()
 
 
-def _ls_params(groups: torch.Tensor, bits: int):
+def _ls_params(groups: torch.Tensor, bits: int, weights: torch.Tensor | None = None):
     """(scale, offset) per group (N, G, 1), already PARAM_DTYPE-rounded, and codes (N, G, g) float32.
 
     Start: the best of LS_CLIP_RATIOS windows. Then LS_ITERS times: fix the codes c, solve
-    min over (s, o) of sum (c*s + o - W)^2 in closed form (s = cov(c, W) / var(c), o = mean(W - c*s)),
-    round to PARAM_DTYPE, recompute the codes; a group keeps new parameters only if its error drops.
+    min over (s, o) of sum a * (c*s + o - W)^2 in closed form (weighted linear regression of W on c,
+    a = `weights` (N, G, g) or 1), round to PARAM_DTYPE, recompute the codes; a group keeps new
+    parameters only if its (weighted) error drops.
     """
     qmax = 2**bits - 1
     tiny = torch.finfo(PARAM_DTYPE).tiny
@@ -319,23 +340,28 @@ def _ls_params(groups: torch.Tensor, bits: int):
         scale = _round_param((width * (ratio / qmax)).clamp_min(tiny))
         offset = _round_param(midpoint - width * (ratio / 2))
         codes, t = _scaled_codes(groups, scale, offset, qmax)
-        error = _code_error(codes, t, scale)
+        error = _code_error(codes, t, scale, weights)
         if best is None:
             best = [scale, offset, error, codes]
             continue
         better = error < best[2]
         best = [torch.where(better, new, old) for new, old in zip((scale, offset, error, codes), best)]
     scale, offset, error, codes = best
-    sum_w = groups.sum(-1, keepdim=True)
+    if weights is None:
+        total, sum_w = float(g), groups.sum(-1, keepdim=True)
+    else:  # a group with no importance at all is fitted unweighted
+        weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, torch.ones_like(weights))
+        total, sum_w = weights.sum(-1, keepdim=True), _dot(weights, groups, None)
     for _ in range(LS_ITERS):
-        sum_c = codes.sum(-1, keepdim=True)
-        var_c = torch.linalg.vecdot(codes, codes, dim=-1).unsqueeze(-1) - sum_c.square() / g
-        cov = torch.linalg.vecdot(codes, groups, dim=-1).unsqueeze(-1) - sum_c * sum_w / g
+        weighted_codes = codes if weights is None else codes * weights
+        sum_c = weighted_codes.sum(-1, keepdim=True)
+        var_c = _dot(weighted_codes, codes, None) - sum_c.square() / total
+        cov = _dot(weighted_codes, groups, None) - sum_c * sum_w / total
         # a group whose codes are all equal has no slope to fit: it keeps its scale
         new_scale = _round_param(torch.where(var_c > 0, cov / var_c.clamp_min(1e-30), scale).clamp_min(tiny))
-        new_offset = _round_param((sum_w - new_scale * sum_c) / g)
+        new_offset = _round_param((sum_w - new_scale * sum_c) / total)
         new_codes, t = _scaled_codes(groups, new_scale, new_offset, qmax)
-        new_error = _code_error(new_codes, t, new_scale)
+        new_error = _code_error(new_codes, t, new_scale, weights)
         better = new_error < error
         scale = torch.where(better, new_scale, scale)
         offset = torch.where(better, new_offset, offset)
