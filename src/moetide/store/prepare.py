@@ -53,7 +53,7 @@ def cache_key(checkpoint: Path, precision: str, values_dtype: torch.dtype) -> st
     h.update(
         f"{spec.name}:{spec.bits_gate_up}:{spec.bits_down}:{spec.group_size_gate_up}:{spec.group_size_down}"
         f":{_DTYPE_NAMES[values_dtype]}:{quant.DEFAULT_QUANT_METHOD}:{dict(quant.DEFAULT_GROUP_SIZE)}"
-        f":{quant.HQQ_ITERS}".encode()
+        f":{quant.HQQ_ITERS}:{quant.LS_ITERS}:{dict(quant.LS_CLIP_RATIOS)}".encode()
     )
     h.update(f"v{FORMAT_VERSION}".encode())
     return h.hexdigest()[:20]
@@ -185,7 +185,8 @@ def prepare(
     what `generate`/`serve`/`bench` read on any device (given the same `--cache-dir`)."""
     from ..models.loader import load_model
 
-    loaded = load_model(model_path, device="cpu", dtype=dtype, progress=progress)
+    # the loader's bar only on a terminal: a log gets the one line per precision `progress_bar` prints
+    loaded = load_model(model_path, device="cpu", dtype=dtype, progress=progress and sys.stderr.isatty())
     written = []
     for precision in precisions:
         path = ensure_precision(
