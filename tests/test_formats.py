@@ -286,3 +286,15 @@ def test_importance_weights_lower_the_error_where_they_say_it_counts():
     assert torch.equal(uniform.codes, plain.codes)
     with pytest.raises(ValueError, match="ls"):
         quant.quantize(weight, 2, 64, "hqq", importance=importance)
+
+
+def test_quantization_progress_is_one_line_off_a_terminal(tiny_checkpoints, tmp_path, capsys):
+    from moetide.store.prepare import prepare
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["olmoe"][0], path)
+    prepare(str(path), ["int2"], cache_dir=str(tmp_path / "cache"), progress=True)
+    err = capsys.readouterr().err  # pytest's stderr is not a terminal
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("quantizing experts to int2: 16 experts in ")
+    assert "\r" not in err
