@@ -46,7 +46,7 @@ def demo_experts(count: int):
 
 def test_every_registered_format_has_a_layout_and_its_bits_per_weight():
     """Stored bits per weight on the demo model's expert shape (I=128, H=256), padding included."""
-    expected = {"hi": 16.0, "int4": 4.5, "int2+4": 3.0, "int2": 2.25}
+    expected = {"hi": 16.0, "int4": 4.5, "int2+4": 3.0, "int2+2": 2.5, "int2": 2.25}
     assert set(formats.FORMATS) == set(expected)
     for name, bits in expected.items():
         meta = expert_layout(name, 128, 256, torch.bfloat16)
@@ -179,9 +179,12 @@ def test_auto_lo_takes_the_widest_format_that_leaves_room_for_hot_experts(qwen3_
     store = HostExpertStore(2, 8, ExpertShape(256, 128, torch.bfloat16))
     every = {p: 16 * quant.nbytes_for(p, 128, 256, torch.bfloat16) for p in formats.LOW_BIT_FORMATS}
     config = EngineConfig(model="m", policy="combined")
-    assert lo_precision_for(config, store, every["int4"] * 4 // 3 + 1) == "int4"
-    assert lo_precision_for(config, store, every["int4"]) == "int2+4"
-    assert lo_precision_for(config, store, every["int2+4"]) == "int2"
+    for wider, narrower in zip(formats.LOW_BIT_FORMATS, formats.LOW_BIT_FORMATS[1:]):
+        # a quarter of the expert memory stays for the hot pool
+        assert lo_precision_for(config, store, every[wider] * 4 // 3 + 1) == wider
+        assert lo_precision_for(config, store, every[wider] * 4 // 3 - 1) != wider
+    assert lo_precision_for(config, store, every["int2+4"]) == "int2"  # 3.0 x 3/4 < 2.5 bits
+    assert lo_precision_for(config, store, every["int2"]) == "int2"  # the narrowest, whatever fits
     three_tier = EngineConfig(model="m", policy="dynaexq", hi_precision="int4")
     assert lo_precision_for(three_tier, store, 1 << 40) == "int2"
 

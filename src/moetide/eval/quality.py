@@ -511,6 +511,7 @@ def write_plot(report: dict, path: Path) -> None:
                 )
         ax.set_title(w)
         ax.set_xscale("log", base=2)
+        ax.set_xticks([2, 2.5, 3, 4, 6, 8, 16], labels=["2", "2.5", "3", "4", "6", "8", "16"])
         ax.set_xlabel("bits per expert weight (stored bytes)")
         ax.set_ylabel("loss increase over bf16 (nats/token)")
         ax.grid(alpha=0.3)
