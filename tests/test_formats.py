@@ -301,3 +301,13 @@ def test_quantization_progress_is_one_line_off_a_terminal(tiny_checkpoints, tmp_
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("quantizing experts to int2: 16 experts in ")
     assert "\r" not in err
+
+
+def test_info_lists_every_format_with_its_stored_bits_per_weight():
+    from moetide.engine.llm import demo_model_path
+    from moetide.models.info import describe_checkpoint
+
+    text = describe_checkpoint(demo_model_path())
+    bits_line = next(line for line in text.splitlines() if line.startswith("bits/weight"))
+    assert "bf16 16.00, int4 4.50, int2+4 3.00, int2+2 2.50, int2 2.25" in bits_line
+    assert "int2+4 36.00 KiB" in text  # bytes per expert
