@@ -311,3 +311,12 @@ def test_info_lists_every_format_with_its_stored_bits_per_weight():
     bits_line = next(line for line in text.splitlines() if line.startswith("bits/weight"))
     assert "bf16 16.00, int4 4.50, int2+4 3.00, int2+2 2.50, int2 2.25" in bits_line
     assert "int2+4 36.00 KiB" in text  # bytes per expert
+
+
+def test_hot_slots_are_split_over_the_layers_without_leaving_any_empty():
+    from moetide.policies.dynaexq import per_layer_hi_slots
+
+    assert per_layer_hi_slots(16, 8, 32) == [2] * 8
+    split = per_layer_hi_slots(21, 8, 32)
+    assert sum(split) == 21 and sorted(split) == [2, 2, 2, 3, 3, 3, 3, 3]
+    assert per_layer_hi_slots(5, 8, 32).count(1) == 5 and per_layer_hi_slots(999, 8, 32) == [32] * 8

@@ -66,6 +66,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     model fits in hi (the residency's "all-hi" mode): then decode steps can be CUDA graphs.
     """
     from ..policies import make_policy
+    from ..policies.dynaexq import per_layer_hi_slots
     from ..policies.hooks import PolicyHooks
 
     residency = loaded.runtime.residency
@@ -76,7 +77,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     layers = len(loaded.moe_layers)
     experts = loaded.store.num_experts
     share = 1.0 if config.policy == "dynaexq" else 0.5
-    n_hi = min(experts, int(residency.plan.hi_slots * share) // layers)
+    n_hi = per_layer_hi_slots(int(residency.plan.hi_slots * share), layers, experts)
     policy = make_policy(
         config.policy,
         prefetch_distance=config.prefetch_distance,

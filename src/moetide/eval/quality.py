@@ -18,9 +18,9 @@ Expert memory and bits per expert weight are counted from the bytes the store ke
 layout a GPU holds (`models.info.expert_bytes`: scales, offsets and alignment padding included),
 whatever the device the evaluation runs on, so a budget means the same number of hot experts on the
 CPU and on the GPU. A dynamic budget M gives `n_hi = (M - N * cold_bytes) // hot_bytes` hot experts
-(N = layers x experts), rounded down to a multiple of the layer count (the scheduler gives each layer
-the same share); the device budget is then exactly the fixed part + N cold slots + n_hi hot slots in
-the device's own layout, so the memory plan holds what was asked.
+(N = layers x experts), split over the layers as evenly as they go (`dynaexq.per_layer_hi_slots`);
+the device budget is then exactly the fixed part + N cold slots + n_hi hot slots in the device's own
+layout, so the memory plan holds what was asked.
 
 Budgets (`--budgets`): `mid` = halfway between static int2 and static int4 (the quality target's
 point), `int4` = the same memory as static int4, or a fraction f in (0, 1) = cold + f x (bf16 - cold).
@@ -165,7 +165,7 @@ def expert_geometry(model_path: Path) -> ExpertGeometry:
 
 def dynamic_hi_experts(budget: str, geo: ExpertGeometry, hi: str = "bf16", cold: str = "int2") -> int:
     """Hot experts (all layers) that a dynamic budget buys (each costs a `hi` copy beside its resident
-    `cold` one), a multiple of the layer count."""
+    `cold` one); the engine splits them over the layers (`dynaexq.per_layer_hi_slots`)."""
     lo2, lo4, all_bf16, all_cold = (geo.static_bytes(p) for p in ("int2", "int4", "bf16", cold))
     if budget == "mid":
         memory = (lo2 + lo4) / 2
@@ -174,7 +174,7 @@ def dynamic_hi_experts(budget: str, geo: ExpertGeometry, hi: str = "bf16", cold:
     else:
         memory = all_cold + float(budget) * (all_bf16 - all_cold)
     n = int((memory - all_cold) // geo.ref_bytes[hi])
-    return max(0, min(geo.total, (n // geo.layers) * geo.layers))
+    return max(0, min(geo.total, n))
 
 
 def split_conversations(
@@ -330,7 +330,7 @@ def _calibrate(loaded, tokenizer, spec: EvalSpec, calibration, residency) -> dic
         "conversations": len(calibration),
         "loss": calib_loss,
         "resident": residency.resident_counts(),
-        "n_hi_per_layer": scheduler.n_hi[0],
+        "n_hi_per_layer": list(scheduler.n_hi),
     }
 
 

@@ -44,6 +44,15 @@ def n_hi_from_budget(
     return int(min(num_experts, per_layer // (hi_bytes - lo_bytes)))
 
 
+def per_layer_hi_slots(hi_slots: int, num_layers: int, num_experts: int) -> list[int]:
+    """`hi_slots` hot experts split over the layers as evenly as they go: every layer gets the
+    quotient, and the remainder goes one each to layers spread over the depth (a budget of 21 hot
+    experts on 8 layers is 3, 2, 3, 2, 3, 2, 3, 3 rather than 2 each and 5 slots left empty)."""
+    base, extra = divmod(max(0, hi_slots), num_layers)
+    counts = [base + ((layer + 1) * extra // num_layers - layer * extra // num_layers) for layer in range(num_layers)]
+    return [min(num_experts, n) for n in counts]
+
+
 class DynaExqScheduler(PolicyBase):
     """DynaExq's hotness tracker and budget-feasible top-n_hi selection with hysteresis.
 
