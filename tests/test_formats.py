@@ -320,3 +320,38 @@ def test_hot_slots_are_split_over_the_layers_without_leaving_any_empty():
     split = per_layer_hi_slots(21, 8, 32)
     assert sum(split) == 21 and sorted(split) == [2, 2, 2, 3, 3, 3, 3, 3]
     assert per_layer_hi_slots(5, 8, 32).count(1) == 5 and per_layer_hi_slots(999, 8, 32) == [32] * 8
+
+
+def test_promotion_gain_is_the_error_a_promotion_removes(qwen3_checkpoint):
+    from moetide.models.loader import load_model
+
+    store = load_model(qwen3_checkpoint, device="cpu", progress=False).store
+    for precision in ("int4", "int2"):
+        store.add_precision(precision)
+    to_int4, to_hi = store.promotion_gain("int4", "int2"), store.promotion_gain("hi", "int4")
+    assert to_int4.shape == (store.num_layers, store.num_experts) and bool((to_int4 > 0).all())
+    gate_up, down = quant.dequantize(store.views(1, 3, "int4"), store.meta["int4"], torch.float32)
+    hi = store.views(1, 3, "hi")
+    exact = (gate_up - hi["gate_up"].float()).square().sum() + (down - hi["down"].float()).square().sum()
+    assert float(to_hi[1, 3]) == pytest.approx(float(exact), rel=1e-5)
+    assert store.promotion_gain("int2+4", "int2") is None  # not in host memory
+
+
+def test_dynaexq_ranks_by_selections_times_promotion_gain():
+    from moetide.policies.dynaexq import DynaExqScheduler
+
+    class Sink:
+        def set_precision(self, layer, expert, precision):
+            pass
+
+    scheduler = DynaExqScheduler(1, clock=None, hysteresis_margin=0.0)
+    scheduler.attach(Sink(), 1, 3, 1)
+    scheduler.counts[0] = torch.tensor([10.0, 8.0, 1.0], dtype=torch.float64)
+    scheduler.set_promotion_gain(torch.tensor([[1.0, 2.0, 1.0]]))
+    scheduler.update()
+    assert scheduler.hi_set(0) == [1]  # 8 selections x gain 2 beat 10 x 1
+    plain = DynaExqScheduler(1, clock=None, hysteresis_margin=0.0)
+    plain.attach(Sink(), 1, 3, 1)
+    plain.counts[0] = torch.tensor([10.0, 8.0, 1.0], dtype=torch.float64)
+    plain.update()
+    assert plain.hi_set(0) == [0]

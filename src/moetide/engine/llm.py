@@ -86,6 +86,10 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         searcher=config.searcher,
     )
     loaded.policy = policy
+    scheduler = getattr(policy, "precision_policy", policy)
+    if hasattr(scheduler, "set_promotion_gain"):  # DynaExq ranks experts by selections x what promotion buys
+        options = residency.options
+        scheduler.set_promotion_gain(loaded.store.promotion_gain(options.hi_precision, options.lo_precision))
     eviction = getattr(policy, "preferred_eviction", "lru")  # FineMoE (and combined): prob-freq
     residency.options = replace(residency.options, eviction=eviction)
     loaded.policy_hooks = PolicyHooks(

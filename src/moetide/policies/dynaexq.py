@@ -103,6 +103,18 @@ class DynaExqScheduler(PolicyBase):
         self.demotions = 0
         self.deferred_moves = 0
         self.log: list[tuple[float, int, int, str]] = []  # (time, layer, expert, precision)
+        self.promotion_gain: torch.Tensor | None = None  # (L, J) float64, mean 1 per layer
+
+    def set_promotion_gain(self, gain: torch.Tensor | None) -> None:
+        """Weigh each expert's selections by what promoting it buys: `gain (L, J)` >= 0, e.g. the
+        drop in its weights' squared error from the lo to the hi version (`HostExpertStore.
+        promotion_gain`). Normalized to mean 1 per layer, so scores keep their scale and the
+        hysteresis margin its meaning; None = plain counts (the paper's)."""
+        if gain is None:
+            self.promotion_gain = None
+            return
+        gain = gain.to(torch.float64).clamp_min(0)
+        self.promotion_gain = gain / gain.mean(dim=1, keepdim=True).clamp_min(1e-30)
 
     def attach(self, sink, num_layers, num_experts, top_k) -> None:
         super().attach(sink, num_layers, num_experts, top_k)
@@ -145,6 +157,8 @@ class DynaExqScheduler(PolicyBase):
         """EMA step, selection with hysteresis and rate limit; sends and returns the changes."""
         counts = self.counts
         self._reset_counts(*counts.shape)
+        if self.promotion_gain is not None:
+            counts = counts * self.promotion_gain
         self.scores = self.alpha * self.scores + (1.0 - self.alpha) * counts
         self.updates += 1
         moves = []  # (gap, layer, promote, demote or None)

@@ -184,6 +184,38 @@ class HostExpertStore:
         per_expert = 3 * self.shape.intermediate * self.shape.hidden
         return max(1, self.WEIGHTS_PER_BATCH.get(kind, 1 << 22) // per_expert)
 
+    def promotion_gain(self, hot: str, cold: str) -> torch.Tensor | None:
+        """(L, E) float32: how much squared weight error (gate_up + down) each expert loses when it
+        runs `hot` instead of `cold`; None when a version is not in host memory. Experts are
+        dequantized `experts_per_batch` at a time (a few MiB of float32 each)."""
+        if any(p not in self.versions for p in ("hi", hot, cold)):
+            return None
+        gate_up, down = hi_group_views(self.versions["hi"], self.shape)
+        gain = torch.zeros(gate_up.shape[0])
+        step = self.experts_per_batch()
+        for start in range(0, gate_up.shape[0], step):
+            rows = slice(start, start + step)
+            exact = (gate_up[rows].float(), down[rows].float())
+            gain[rows] = self._squared_error(cold, rows, exact) - self._squared_error(hot, rows, exact)
+        return gain.view(self.num_layers, self.num_experts)
+
+    def _squared_error(self, precision: str, rows: slice, exact) -> torch.Tensor:
+        """Per expert of `rows`, the squared error of `precision`'s weights against `exact`."""
+        from . import quant
+
+        if precision == "hi":
+            return torch.zeros(exact[0].shape[0])
+        meta = self.meta[precision]
+        views = quant.expert_row_views(self.versions[precision][rows], meta)
+        error = torch.zeros(exact[0].shape[0])
+        for name, weight in zip(("gate_up", "down"), exact, strict=True):
+            p, n, k = weight.shape
+            codes = quant.unpack(views[f"{name}_packed"], meta.bits_of(name)).reshape(p * n, k)
+            scale, offset = (views[f"{name}_{part}"].reshape(p * n, -1) for part in ("scale", "offset"))
+            w_hat = quant.dequantize_matrix(codes, scale, offset, torch.float32).view(p, n, k)
+            error += (w_hat - weight).square().sum((1, 2))
+        return error
+
     def load_precision(self, precision: str, arena: torch.Tensor, meta) -> None:
         """Adopt a prepared arena (from the on-disk cache) for `precision`."""
         target = self._allocate(precision, meta, arena.shape[1])
