@@ -184,10 +184,14 @@ class HostExpertStore:
         per_expert = 3 * self.shape.intermediate * self.shape.hidden
         return max(1, self.WEIGHTS_PER_BATCH.get(kind, 1 << 22) // per_expert)
 
+    GAIN_ROWS = 64
+
     def promotion_gain(self, hot: str, cold: str) -> torch.Tensor | None:
-        """(L, E) float32: how much squared weight error (gate_up + down) each expert loses when it
-        runs `hot` instead of `cold`; None when a version is not in host memory. Experts are
-        dequantized `experts_per_batch` at a time (a few MiB of float32 each)."""
+        """(L, E) float32: how much squared weight error each expert loses when it runs `hot` instead
+        of `cold`, estimated on the first GAIN_ROWS rows of gate_up and of down (an expert's rows
+        share its weight statistics; the whole matrices would cost a large model tens of seconds of
+        start-up); None when a version is not in host memory. Experts are dequantized
+        `experts_per_batch` at a time."""
         if any(p not in self.versions for p in ("hi", hot, cold)):
             return None
         gate_up, down = hi_group_views(self.versions["hi"], self.shape)
@@ -195,7 +199,7 @@ class HostExpertStore:
         step = self.experts_per_batch()
         for start in range(0, gate_up.shape[0], step):
             rows = slice(start, start + step)
-            exact = (gate_up[rows].float(), down[rows].float())
+            exact = (gate_up[rows, : self.GAIN_ROWS].float(), down[rows, : self.GAIN_ROWS].float())
             gain[rows] = self._squared_error(cold, rows, exact) - self._squared_error(hot, rows, exact)
         return gain.view(self.num_layers, self.num_experts)
 
@@ -209,9 +213,10 @@ class HostExpertStore:
         views = quant.expert_row_views(self.versions[precision][rows], meta)
         error = torch.zeros(exact[0].shape[0])
         for name, weight in zip(("gate_up", "down"), exact, strict=True):
-            p, n, k = weight.shape
-            codes = quant.unpack(views[f"{name}_packed"], meta.bits_of(name)).reshape(p * n, k)
-            scale, offset = (views[f"{name}_{part}"].reshape(p * n, -1) for part in ("scale", "offset"))
+            p, n, k = weight.shape  # n <= GAIN_ROWS: the sampled rows
+            packed = views[f"{name}_packed"][:, :n]
+            codes = quant.unpack(packed, meta.bits_of(name)).reshape(p * n, k)
+            scale, offset = (views[f"{name}_{part}"][:, :n].reshape(p * n, -1) for part in ("scale", "offset"))
             w_hat = quant.dequantize_matrix(codes, scale, offset, torch.float32).view(p, n, k)
             error += (w_hat - weight).square().sum((1, 2))
         return error
