@@ -7,8 +7,10 @@ Scheduler (per (layer, expert), from the router's top-k ids only):
                g[l, e] = what promoting the expert buys (`set_promotion_gain`: the drop in its
                weights' squared error from the lo to the hi version, mean 1 per layer; 1 without
                it, the paper's plain counts). The engine sets it: with int4 hot over int2+4 cold on
-               the demo model, 0.769 of the int2 -> int4 gap recovered against 0.752 unweighted
-               (frozen hot set, results/eval_cpu_ladders_frozen).
+               the demo model at the int2/int4 halfway memory, the calibrated hot set recovers
+               0.769 of the int2 -> int4 perplexity gap, against 0.752 unweighted
+               (results/eval_cpu_ladders_frozen; with the scheduler adapting during measurement
+               0.733-0.745 either way, run-to-run noise of the time-based updates).
     select     per layer, the hi set H_l has n_hi[l] members (capacity fixed by the memory budget)
     hysteresis an outsider o replaces the weakest member w only if S[o] > S[w] + margin_l, with
                margin_l = hysteresis_margin * mean_e S[l, e] (a margin of 0 is plain top-n); free hi
