@@ -11,7 +11,14 @@ from test_bad_input import run_cli
 
 from moetide.engine.llm import demo_model_path
 from moetide.errors import ConfigError
-from moetide.eval.quality import EvalSpec, dynamic_hi_experts, expert_geometry, run_eval, split_conversations
+from moetide.eval.quality import (
+    EvalSpec,
+    dynamic_hi_experts,
+    expert_geometry,
+    ladder_of,
+    run_eval,
+    split_conversations,
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +26,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
     spec = EvalSpec(
         device="cpu",
-        configs=["bf16", "int4", "int2", "dynamic"],
+        configs=["bf16", "int4", "int2+4", "int2", "dynamic", "int4>int2+4"],
         budgets=["mid"],
         max_convs=2,
         calib_convs=2,
@@ -32,7 +39,7 @@ def report(tmp_path_factory):
 def test_eval_writes_table_json_and_plot(report):
     rep, out = report
     names = [r["name"] for r in rep["results"]]
-    assert names == ["bf16", "int4", "int2", "dynamic@mid"]
+    assert names == ["bf16", "int4", "int2+4", "int2", "dynamic@mid", "int4>int2+4@mid"]
     assert all("error" not in r for r in rep["results"]), [r.get("error") for r in rep["results"]]
     saved = json.loads((out / "eval.json").read_text())
     assert [r["name"] for r in saved["results"]] == names
@@ -40,7 +47,7 @@ def test_eval_writes_table_json_and_plot(report):
     for name in names:
         assert f"| {name} |" in table
     assert "Gap recovered" in table
-    assert (out / "quality_vs_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "quality_vs_bits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for r in rep["results"]:
         assert set(r["ppl"]) == {"all", "code", "non-english", "chat"}
         assert r["conversations"]["all"] == 6 and all(p > 1 for p in r["ppl"].values())
@@ -67,9 +74,10 @@ def test_dynamic_perplexity_lies_between_bf16_and_int2(report):
 def test_dynamic_budget_calibrates_its_hot_set(report):
     dyn = next(r for r in report[0]["results"] if r["name"] == "dynamic@mid")
     geo = expert_geometry(demo_model_path())
-    assert dyn["hi_experts"] == dynamic_hi_experts("mid", geo) == 16  # 8 layers x 2
-    assert dyn["calibration"]["n_hi_per_layer"] == 2
-    assert dyn["calibration"]["resident"]["hi"] == 16  # promotions applied before measuring
+    # (3.375 - 2.25) / 16 x 256 = 18 bf16 experts: 2 or 3 per layer
+    assert dyn["hi_experts"] == dynamic_hi_experts("mid", geo) == 18
+    assert sorted(dyn["calibration"]["n_hi_per_layer"]) == [2] * 6 + [3] * 2
+    assert dyn["calibration"]["resident"]["hi"] == 18  # promotions applied before measuring
     assert dyn["calibration"]["resident"]["lo"] == geo.total
     assert "hi slots" in dyn["plan"] and dyn["lo_share"] is not None and 0 < dyn["lo_share"] < 1
 
@@ -106,3 +114,45 @@ def test_eval_cli(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "| int2 |" in proc.stdout and (tmp_path / "eval.json").is_file()
+
+
+def test_bits_per_weight_come_from_stored_bytes_and_losses_from_bf16(report):
+    by = {r["name"]: r for r in report[0]["results"]}
+    bits = {name: by[name]["bits_per_weight"] for name in ("bf16", "int4", "int2+4", "int2")}
+    assert bits == {"bf16": 16.0, "int4": 4.5, "int2+4": 3.0, "int2": 2.25}
+    geo = expert_geometry(demo_model_path())
+    ladder = by["int4>int2+4@mid"]
+    # (3.375 - 3.0) / 4.5 x 256 = 21.3: 21 hot experts, 2 or 3 per layer
+    assert ladder["hi_experts"] == dynamic_hi_experts("mid", geo, "int4", "int2+4") == 21
+    assert ladder["bits_per_weight"] == pytest.approx(3.0 + 21 / 256 * 4.5)
+    assert sorted(ladder["calibration"]["n_hi_per_layer"]) == [2, 2, 2, 3, 3, 3, 3, 3]
+    assert ladder["calibration"]["resident"]["hi"] == 21
+    assert by["bf16"]["loss_increase"] == {w: 0.0 for w in by["bf16"]["loss"]}
+    for r in by.values():
+        assert r["loss_increase"]["all"] == pytest.approx(r["loss"]["all"] - by["bf16"]["loss"]["all"])
+    assert by["int2+4"]["lo_share"] == 1.0  # a static format: every expert ran its int2+4 version
+    assert by["int2"]["loss_increase"]["all"] > by["int2+4"]["loss_increase"]["all"] > 0
+    summary = report[0]["summary"]
+    assert summary["int2_down4_bits_per_weight"] == 3.0 and summary["int2_bits_per_weight"] == 2.25
+    assert summary["int2_loss_increase"] == by["int2"]["loss_increase"]["all"]
+    assert set(summary["gap_recovered_at_mid"]) == {"dynamic", "int4>int2+4"}
+    assert summary["dynamic_halfway_gap_recovered"] == max(summary["gap_recovered_at_mid"].values())
+
+
+def test_ladder_names_are_checked_against_the_registry():
+    assert ladder_of("int4>int2+4") == ("int4", "int2+4")
+    assert ladder_of("dynamic") == ("bf16", "int2") and ladder_of("hi>int2") == ("bf16", "int2")
+    assert ladder_of("int2+4") is None
+    with pytest.raises(ConfigError, match="more bytes"):
+        EvalSpec(configs=["int2>int4"])
+    with pytest.raises(ConfigError, match="HOT>COLD"):
+        EvalSpec(configs=["int3>int2"])
+
+
+def test_first_split_measures_the_first_conversations_and_calibrates_on_the_next():
+    from moetide.data.sharegpt import heldout_conversations
+
+    calib, measured = split_conversations(4, None, first=10)
+    first_ids = [c["id"] for c in heldout_conversations()[:14]]
+    assert sorted(c["id"] for cs in measured.values() for c in cs) == sorted(first_ids[:10])
+    assert [c["id"] for c in calib] == first_ids[10:]

@@ -206,7 +206,7 @@ def test_default_group_size_halves_to_a_divisor():
 
 @FAST
 @given(
-    precision=st.sampled_from(["hi", "bf16", "int4", "int2"]),
+    precision=st.sampled_from(["hi", "bf16", "int4", "int2+4", "int2"]),
     i_groups=st.integers(1, 6),
     h_groups=st.integers(1, 6),
     group_size=st.sampled_from([16, 32, 64]),
@@ -225,7 +225,7 @@ def test_layout_slots_are_aligned_disjoint_and_in_bounds(precision, i_groups, h_
     assert end <= meta.nbytes < end + ALIGN_BYTES
     payload = sum(slot.nbytes for slot in meta.slots)
     if meta.is_low_bit:
-        packed = 3 * intermediate * hidden * meta.bits // 8
+        packed = intermediate * hidden * (2 * meta.bits_gate_up + meta.bits_down) // 8
         params = 2 * 2 * (2 * intermediate * hidden // group_size + hidden * intermediate // group_size)
         assert payload == packed + params
     else:

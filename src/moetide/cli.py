@@ -14,6 +14,7 @@ import time
 
 from .config import COMPILE_MODES, CUDA_GRAPHS, LO_KERNELS, POLICIES, SEARCHERS, EngineConfig, format_bytes
 from .errors import ConfigError, MoetideError
+from .store.formats import LOW_BIT_FORMATS
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -76,8 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         "--lo",
         dest="lo_precision",
         default="auto",
-        choices=["auto", "int4", "int2"],
-        help="lo precision (auto: int4 when every expert fits in int4 beside the hi cache, else int2)",
+        choices=["auto", *LOW_BIT_FORMATS],
+        help="lo precision (auto: int4 when every expert fits in int4 beside the hi cache, else int2;"
+        " int2+4: int2 gate/up with int4 down)",
     )
     p.add_argument(
         "--on-miss",
@@ -90,8 +92,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         "--hi",
         dest="hi_precision",
         default="bf16",
-        choices=["bf16", "int4"],
-        help="hot experts' precision for dynaexq/combined (int4: three tiers, lo = int2)",
+        choices=["bf16", *LOW_BIT_FORMATS],
+        help="hot experts' precision for dynaexq/combined (a low-bit one: three tiers, e.g. --hi int4"
+        " --lo int2+4; lo defaults to int2)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where prepared lo versions are read and written (as `moetide prepare --cache-dir`;"
+        " default: <model>/.moetide-cache)",
     )
     p.add_argument(
         "--host-versions",
@@ -166,6 +175,7 @@ def precision_options_from_args(args) -> dict:
     (shared with `moetide bench`)."""
     return {
         "hi_precision": "hi" if args.hi_precision == "bf16" else args.hi_precision,
+        "cache_dir": args.cache_dir,
         "host_versions": None
         if args.host_versions is None
         else tuple(v for v in args.host_versions.split(",") if v),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .policies.registry import POLICY_NAMES
+from .store.formats import FORMATS, LOW_BIT_FORMATS, precision_names
 
 _UNITS = {
     "": 1,
@@ -28,7 +29,7 @@ _UNITS = {
 }
 
 POLICIES = POLICY_NAMES  # every --policy name, declared once in policies/registry.py
-PRECISIONS = ("hi", "int4", "int2")
+PRECISIONS = tuple(FORMATS)  # the registry's names: store/formats.py
 LO_KERNELS = ("auto", "dequant", "triton")
 
 
@@ -72,16 +73,18 @@ class EngineConfig:
         dtype: compute dtype ("auto" = checkpoint dtype on CUDA, float32 on CPU).
         gpu_memory_bytes: hard cap on what moetide allocates on the device; None = no cap.
         policy: expert residency policy (see POLICIES).
-        lo_precision: the low precision kept for "lo" versions ("int4", "int2" or "auto": int4 when all
-            experts fit in int4 with room left for a hi cache, else int2).
+        lo_precision: the low precision kept for "lo" versions (a low-bit name of `store.formats.FORMATS`:
+            "int4", "int2+4", "int2", or "auto": int4 when all experts fit in int4 with room left for
+            a hi cache, else int2).
         on_miss: "stall" (load the hi version) or "lo" (run a resident lo version instead).
         prefetch_distance: FineMoE's d, in layers.
         max_num_seqs: sequences decoded together at most.
         max_model_len: context length cap (prompt + output), in tokens; None = model's limit.
         kv_cache_tokens: tokens of KV cache reserved inside the budget; None = derived.
         seed: seed for sampling when a request gives none.
-        hi_precision: what "hi" means for dynaexq/combined: "hi" (the checkpoint's precision) or
-            "int4" (a three-tier setup: hot experts int4, the rest in `lo_precision`, int2).
+        hi_precision: what "hi" means for dynaexq/combined: "hi" (the checkpoint's precision) or a
+            low-bit format with more bytes than `lo_precision` (e.g. "int4" hot over "int2+4" or
+            "int2" cold; the lo precision then defaults to "int2").
         host_versions: expert versions kept in host memory after start-up ("hi", "lo"); None = all.
             A version can be dropped only where the device holds it for every expert for good.
         lo_kernel: how lo versions in the device's lo pool are computed at decode batch sizes:
@@ -121,6 +124,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     seed: int = 0
     hi_precision: str = "hi"
+    cache_dir: str | None = None  # where prepared lo versions are read and written (None: next to the model)
     host_versions: tuple[str, ...] | None = None
     lo_kernel: str = "auto"
     cuda_graphs: str = "auto"
@@ -135,14 +139,17 @@ class EngineConfig:
             raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of: {', '.join(POLICIES)}")
-        if self.lo_precision not in ("auto", "int4", "int2"):
-            raise ConfigError(f"lo precision must be auto, int4 or int2, got {self.lo_precision!r}")
+        if self.lo_precision != "auto" and self.lo_precision not in LOW_BIT_FORMATS:
+            names = ", ".join(("auto", *LOW_BIT_FORMATS))
+            raise ConfigError(f"--lo must be one of {names}, got {self.lo_precision!r}")
         if self.searcher not in SEARCHERS:
             raise ConfigError(f"--searcher must be one of {', '.join(SEARCHERS)}, got {self.searcher!r}")
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
-            raise ConfigError(f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
+            raise ConfigError(
+                f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}"
+            )
         if self.on_miss not in ("stall", "lo"):
             raise ConfigError(f"--on-miss must be 'stall' or 'lo', got {self.on_miss!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -155,12 +162,16 @@ class EngineConfig:
             raise ConfigError("--gpu-memory must be a positive size such as 6GiB")
         if not str(self.model):
             raise ConfigError("a model path is required")
-        if self.hi_precision not in ("hi", "int4"):
-            raise ConfigError(
-                f"hi precision must be 'hi' (the checkpoint's) or int4, got {self.hi_precision!r}"
-            )
-        if self.hi_precision == "int4" and self.lo_precision == "int4":
-            raise ConfigError("with int4 hot experts the lo precision must be int2")
+        if self.hi_precision not in FORMATS:
+            names = ", ".join(("hi", *precision_names()[1:]))
+            raise ConfigError(f"hi precision must be one of {names}, got {self.hi_precision!r}")
+        if self.hi_precision != "hi" and self.lo_precision != "auto":
+            order = list(FORMATS)  # most bytes first
+            if order.index(self.lo_precision) <= order.index(self.hi_precision):
+                raise ConfigError(
+                    f"with {self.hi_precision} hot experts the lo precision must take fewer bytes"
+                    f" (one of {', '.join(order[order.index(self.hi_precision) + 1 :])}), got {self.lo_precision}"
+                )
         if self.lo_kernel not in LO_KERNELS:
             raise ConfigError(f"--lo-kernel must be one of {', '.join(LO_KERNELS)}, got {self.lo_kernel!r}")
         if self.host_versions is not None:

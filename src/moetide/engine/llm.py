@@ -66,6 +66,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     model fits in hi (the residency's "all-hi" mode): then decode steps can be CUDA graphs.
     """
     from ..policies import make_policy
+    from ..policies.dynaexq import per_layer_hi_slots
     from ..policies.hooks import PolicyHooks
     from ..policies.registry import DETERMINISTIC_UPDATE_STEPS, policy_spec, step_clock
 
@@ -77,10 +78,10 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         return  # no cap given and every expert fits in hi: nothing to prefetch or requantize
     layers = len(loaded.moe_layers)
     experts = loaded.store.num_experts
-    # DynaExq's hot set gets its share of the hi slots (PolicySpec.hi_share); the rest is FineMoE's
+    # DynaExq's hot set gets its share of the hi slots (PolicySpec.hi_share), spread over the layers
     n_hi = None
     if spec.hi_share is not None:
-        n_hi = min(experts, int(residency.plan.hi_slots * spec.hi_share) // layers)
+        n_hi = per_layer_hi_slots(int(residency.plan.hi_slots * spec.hi_share), layers, experts)
     # --deterministic: searches inline, DynaExq's updates every DETERMINISTIC_UPDATE_STEPS steps
     timing = {"synchronous": True, "clock": step_clock(), "update_interval_s": DETERMINISTIC_UPDATE_STEPS}
     policy = make_policy(
@@ -92,6 +93,10 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         **(timing if config.deterministic else {}),
     )
     loaded.policy = policy
+    scheduler = getattr(policy, "precision_policy", policy)
+    if hasattr(scheduler, "set_promotion_gain"):  # DynaExq ranks experts by selections x what promotion buys
+        options = residency.options
+        scheduler.set_promotion_gain(loaded.store.promotion_gain(options.hi_precision, options.lo_precision))
     residency.options = replace(residency.options, eviction=spec.eviction)
     loaded.policy_hooks = PolicyHooks(
         loaded.model, loaded.adapter, [policy], sink=residency, runtime=loaded.runtime

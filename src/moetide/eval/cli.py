@@ -1,9 +1,11 @@
-"""`moetide eval`: held-out perplexity per workload for bf16, static int4/int2 and dynamic hi/lo budgets.
+"""`moetide eval`: held-out loss per workload against bits per expert weight, for every static format
+and dynamic ladders (hot > cold) at several budgets.
 
-    moetide eval --max-convs 32 --out runs/eval                  # the demo model, CPU or GPU
-    moetide eval --model PATH --configs int2,int4,dynamic --budgets mid,0.25 --out runs/eval
+    moetide eval --first 128 --budgets mid --out runs/eval       # the demo model, CPU or GPU
+    moetide eval --model PATH --configs int2,int4,int4>int2+4 --budgets mid,0.25 --out runs/eval
 
-Writes eval.json, eval.md (table, gap recovered) and quality_vs_memory.png. See docs/bench.md.
+Writes eval.json (with a `summary` of the quality targets), eval.md (table, gap recovered) and
+quality_vs_bits.png. See docs/bench.md.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import sys
 
 
 def register_cli(subparsers) -> None:
+    from .quality import DEFAULT_CONFIGS, STATIC
+
     p = subparsers.add_parser(
         "eval",
-        help="held-out perplexity per workload: bf16, static int4/int2, dynamic hi/lo at several budgets",
+        help="held-out loss per workload vs bits per expert weight: static formats, dynamic ladders",
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
@@ -23,14 +27,25 @@ def register_cli(subparsers) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
         "--configs",
-        default="bf16,int4,int2,dynamic,dynamic-int4",
-        help="comma-separated: bf16, int4, int2, dynamic (bf16 hot experts), dynamic-int4 (int4 hot experts)",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma-separated static formats ({', '.join(STATIC)}) and dynamic ladders HOT>COLD (e.g."
+        " int4>int2+4; dynamic = bf16>int2, dynamic-int4 = int4>int2)",
     )
     p.add_argument(
         "--budgets",
         default="mid,int4,0.25,0.5",
         help="dynamic expert-memory budgets: mid (halfway int2..int4), int4, or a fraction f of the way"
-        " from all-int2 to all-bf16",
+        " from all-cold to all-bf16",
+    )
+    p.add_argument(
+        "--first",
+        type=int,
+        default=None,
+        help="measure the first N held-out conversations (all workloads; the quality targets use 128);"
+        " the next --calib-convs calibrate (default: per-workload subsets, see --max-convs)",
+    )
+    p.add_argument(
+        "--cache-dir", default=None, help="prepared lo versions (as `moetide prepare --cache-dir`)"
     )
     p.add_argument("--max-convs", type=int, default=64, help="measured conversations per workload (0 = all)")
     p.add_argument(
@@ -61,6 +76,8 @@ def cmd_eval(args) -> int:
         configs=[c.strip() for c in args.configs.split(",") if c.strip()],
         budgets=[b.strip() for b in args.budgets.split(",") if b.strip()],
         max_convs=args.max_convs or None,
+        first=args.first,
+        cache_dir=args.cache_dir,
         calib_convs=args.calib_convs,
         max_len=args.max_len,
         batch_size=args.batch_size,

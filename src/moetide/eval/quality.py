@@ -1,34 +1,43 @@
-"""`moetide eval`: held-out perplexity per workload against expert memory, static and dynamic precision.
+"""`moetide eval`: held-out loss per workload against stored bits per expert weight, for every static
+precision of the registry and for dynamic ladders (hot experts in one format over a resident cold one).
 
 Configurations (all run through moetide's own loader and managed experts):
 
-    bf16      every expert in hi precision (`no-offload`; on the CPU the hi version is fp32 computed
-              from the bf16 checkpoint, i.e. the same weights without rounding)
-    int4      every expert int4 (`static-int4`)
-    int2      every expert int2 (`static-int2`)
-    dynamic   DynaExq (`dynaexq`, hi = bf16, lo = int2) at expert-memory budgets between all-int2
-              and all-bf16: every expert keeps its int2 version resident, and `n_hi` experts per layer
-              also hold a bf16 copy, chosen at run time from router statistics
+    bf16        every expert in hi precision (`no-offload`; on the CPU the hi version is fp32 computed
+                from the bf16 checkpoint, i.e. the same weights without rounding)
+    int4, int2  every expert in that format (`static-int4`, `static-int2`)
+    int2+4, ... any other low-bit format of `store.formats.FORMATS`: every expert runs its resident
+                version of that format (`dynaexq` with the scheduler never updating, so nothing is
+                promoted; `lo_share` = 1 in the record shows it)
+    HOT>COLD    a dynamic ladder, e.g. bf16>int2, int4>int2+4: DynaExq (`dynaexq`, hi = HOT,
+                lo = COLD) at expert-memory budgets; every expert keeps its COLD version resident and
+                `n_hi` experts also hold a HOT copy, chosen at run time from router statistics.
+                `dynamic` and `dynamic-int4` are the names of bf16>int2 and int4>int2.
 
-Expert memory is counted in the bf16 layout a GPU holds (`models.info.expert_bytes`), whatever the
-device the evaluation runs on, so a budget means the same number of hi experts on the CPU and on
-the GPU. A dynamic budget M gives `n_hi = (M - N * int2_bytes) // bf16_bytes` hi experts in total
-(N = layers x experts), rounded down to a multiple of the layer count (the scheduler gives each
-layer the same share); the device budget is then set to exactly the fixed part + N int2 slots +
-n_hi hi slots in the device's own layout, so the memory plan holds what was asked.
+Expert memory and bits per expert weight are counted from the bytes the store keeps in the bf16
+layout a GPU holds (`models.info.expert_bytes`: scales, offsets and alignment padding included),
+whatever the device the evaluation runs on, so a budget means the same number of hot experts on the
+CPU and on the GPU. A dynamic budget M gives `n_hi = (M - N * cold_bytes) // hot_bytes` hot experts
+(N = layers x experts), split over the layers as evenly as they go (`dynaexq.per_layer_hi_slots`);
+the device budget is then exactly the fixed part + N cold slots + n_hi hot slots in the device's own
+layout, so the memory plan holds what was asked.
 
 Budgets (`--budgets`): `mid` = halfway between static int2 and static int4 (the quality target's
-point), `int4` = the same memory as static int4, or a fraction f in (0, 1) = int2 + f x (bf16 - int2).
+point), `int4` = the same memory as static int4, or a fraction f in (0, 1) = cold + f x (bf16 - cold).
 
-Data: the shipped held-out ShareGPT conversations, never trained on. The first `calib_convs` (file
-order, all workloads mixed) calibrate the dynamic configurations: they are fed through the model so
-the DynaExq scheduler counts router selections, then one update is forced and its promotions
-applied (`ResidencyManager.settle()`); they are never measured. Measured: the next `max_convs`
-conversations of each workload (code, non-english, chat). Each workload is scored on its own
-(`data.heldout_loss`: chat-templated, first `max_len` tokens, token-weighted nats/token); "all" is
-the token-weighted mean over the measured conversations. With `adapt` (default), the scheduler keeps
-running during measurement (time-based updates, promotions copied in the background), as in
-serving; without it, the hot set stays as calibrated.
+Data: the shipped held-out ShareGPT conversations, never trained on. Two splits:
+  * `first` = N (the issue protocol, `--first 128`): the first N held-out conversations (file order,
+    every workload) are measured; the next `calib_convs` calibrate the dynamic ladders.
+  * otherwise: the first `calib_convs` calibrate, and the next `max_convs` of each workload (code,
+    non-english, chat) are measured.
+Calibration conversations are fed through the model so the DynaExq scheduler counts router
+selections, then one update is forced and its promotions applied (`ResidencyManager.settle()`); they
+are never measured. Each workload is scored on its own (`data.heldout_loss`: chat-templated, first
+`max_len` tokens, token-weighted nats/token); "all" is the token-weighted mean over the measured
+conversations. `loss_increase` is each loss minus the bf16 configuration's (the checkpoint's
+precision). With `adapt` (default), the scheduler keeps running during measurement (time-based
+updates, promotions copied in the background), as in serving; without it, the hot set stays as
+calibrated.
 """
 
 from __future__ import annotations
@@ -43,11 +52,33 @@ from pathlib import Path
 
 from ..config import format_bytes
 from ..errors import ConfigError
+from ..store.formats import FORMATS, normalize_precision, precision_names
 
-CONFIGS = ("bf16", "int4", "int2", "dynamic", "dynamic-int4")
-DYNAMIC = {"dynamic": "bf16", "dynamic-int4": "int4"}  # dynamic config -> precision of its hot experts
+STATIC = precision_names()  # "bf16", then every low-bit format, most bytes first
+LADDER_ALIASES = {"dynamic": "bf16>int2", "dynamic-int4": "int4>int2"}
 STATIC_POLICY = {"bf16": "no-offload", "int4": "static-int4", "int2": "static-int2"}
+DEFAULT_CONFIGS = (*STATIC, "bf16>int2", "int4>int2", "bf16>int2+4", "int4>int2+4")
+CONFIGS = (*STATIC, *LADDER_ALIASES)  # names accepted besides any HOT>COLD ladder
 WORKLOADS = ("code", "non-english", "chat")
+# Names of the static formats in the summary (results/targets.json keys).
+SUMMARY_KEYS = {"int4": "int4", "int2+4": "int2_down4", "int2+2": "int2_down_g32", "int2": "int2"}
+
+
+def ladder_of(name: str) -> tuple[str, str] | None:
+    """(hot, cold) of a dynamic ladder name ("int4>int2+4" or an alias), None for a static one.
+    ConfigError when a part is not a format or the hot one does not take more bytes."""
+    name = LADDER_ALIASES.get(name, name)
+    if ">" not in name:
+        return None
+    hot, _, cold = name.partition(">")
+    order = list(FORMATS)  # most bytes first
+    try:
+        hot_i, cold_i = order.index(normalize_precision(hot)), order.index(normalize_precision(cold))
+    except ValueError:
+        raise ConfigError(f"ladder {name!r}: use HOT>COLD with formats from {', '.join(STATIC)}") from None
+    if cold_i <= hot_i:
+        raise ConfigError(f"ladder {name!r}: the hot format must take more bytes than the cold one")
+    return ("bf16" if hot_i == 0 else hot), cold
 
 
 @dataclass
@@ -55,20 +86,27 @@ class EvalSpec:
     model: str | None = None
     device: str | None = None
     dtype: str = "auto"
-    configs: list[str] = field(default_factory=lambda: list(CONFIGS))
+    configs: list[str] = field(default_factory=lambda: list(DEFAULT_CONFIGS))
     budgets: list[str] = field(default_factory=lambda: ["mid", "int4", "0.25", "0.5"])
     max_convs: int | None = 64  # measured conversations per workload (None = all)
+    first: int | None = None  # measure the first N held-out conversations instead (the issue protocol)
     calib_convs: int = 16
     max_len: int = 512
     batch_size: int = 8
     adapt: bool = True
+    cache_dir: str | None = None
     out: str = "eval-out"
     command: str = ""
 
     def __post_init__(self) -> None:
-        bad = [c for c in self.configs if c not in CONFIGS]
-        if bad or not self.configs:
-            raise ConfigError(f"unknown config {bad[0] if bad else ''!r}; choose from {', '.join(CONFIGS)}")
+        for c in self.configs:
+            if c not in CONFIGS and ">" not in c:
+                raise ConfigError(
+                    f"unknown config {c!r}; choose from {', '.join(CONFIGS)} or a ladder HOT>COLD"
+                )
+            ladder_of(c)
+        if not self.configs:
+            raise ConfigError("--configs is empty")
         for b in self.budgets:
             if b not in ("mid", "int4"):
                 try:
@@ -77,24 +115,26 @@ class EvalSpec:
                     raise ConfigError(f"budget {b!r}: use mid, int4 or a fraction in (0, 1)") from None
                 if not 0 < f < 1:
                     raise ConfigError(
-                        f"budget {b!r}: a fraction of the way from int2 to bf16 must be in (0, 1)"
+                        f"budget {b!r}: a fraction of the way from the cold format to bf16 must be in (0, 1)"
                     )
-        if self.calib_convs < 1 and any(c in DYNAMIC for c in self.configs):
+        if self.calib_convs < 1 and any(ladder_of(c) for c in self.configs):
             raise ConfigError("--calib-convs must be >= 1 for the dynamic configurations")
         if self.max_convs is not None and self.max_convs < 1:
             raise ConfigError("--max-convs must be >= 1")
+        if self.first is not None and self.first < 1:
+            raise ConfigError("--first must be >= 1")
 
 
 @dataclass(frozen=True)
 class ExpertGeometry:
-    """Expert counts and sizes (bytes per expert in the bf16 reference layout)."""
+    """Expert counts and sizes (bytes per expert in the bf16 reference layout, per format)."""
 
     layers: int
     experts: int
     top_k: int
     intermediate: int
     hidden: int
-    ref_bytes: dict  # {"bf16", "int4", "int2"}
+    ref_bytes: dict  # {"bf16", "int4", "int2+4", "int2", ...}
 
     @property
     def total(self) -> int:
@@ -102,6 +142,10 @@ class ExpertGeometry:
 
     def static_bytes(self, precision: str) -> int:
         return self.total * self.ref_bytes[precision]
+
+    def bits_per_weight(self, expert_bytes: float) -> float:
+        """Stored bits per expert weight of `expert_bytes` over all experts."""
+        return 8 * expert_bytes / (self.total * 3 * self.intermediate * self.hidden)
 
 
 def expert_geometry(model_path: Path) -> ExpertGeometry:
@@ -119,25 +163,33 @@ def expert_geometry(model_path: Path) -> ExpertGeometry:
     )
 
 
-def dynamic_hi_experts(budget: str, geo: ExpertGeometry, hi: str = "bf16") -> int:
-    """hi experts (all layers) that a dynamic budget buys (each costs a `hi` copy beside its resident
-    int2 one), a multiple of the layer count."""
-    lo2, lo4, all_bf16 = (geo.static_bytes(p) for p in ("int2", "int4", "bf16"))
+def dynamic_hi_experts(budget: str, geo: ExpertGeometry, hi: str = "bf16", cold: str = "int2") -> int:
+    """Hot experts (all layers) that a dynamic budget buys (each costs a `hi` copy beside its resident
+    `cold` one); the engine splits them over the layers (`dynaexq.per_layer_hi_slots`)."""
+    lo2, lo4, all_bf16, all_cold = (geo.static_bytes(p) for p in ("int2", "int4", "bf16", cold))
     if budget == "mid":
         memory = (lo2 + lo4) / 2
     elif budget == "int4":
         memory = lo4
     else:
-        memory = lo2 + float(budget) * (all_bf16 - lo2)
-    n = int((memory - lo2) // geo.ref_bytes[hi])
-    return min(geo.total, (n // geo.layers) * geo.layers)
+        memory = all_cold + float(budget) * (all_bf16 - all_cold)
+    n = int((memory - all_cold) // geo.ref_bytes[hi])
+    return max(0, min(geo.total, n))
 
 
-def split_conversations(calib: int, per_workload: int | None) -> tuple[list[dict], dict[str, list[dict]]]:
-    """(calibration conversations, {workload: measured conversations}), disjoint, in file order."""
+def split_conversations(
+    calib: int, per_workload: int | None, first: int | None = None
+) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(calibration conversations, {workload: measured conversations}), disjoint, in file order.
+
+    first=N: the first N are measured (grouped by workload) and the next `calib` calibrate;
+    otherwise the first `calib` calibrate and the next `per_workload` of each workload are measured."""
     from ..data.sharegpt import heldout_conversations
 
     convs = heldout_conversations()
+    if first is not None:
+        calibration, rest = convs[first : first + calib], convs[:first]
+        return calibration, {w: [c for c in rest if c["workload"] == w] for w in WORKLOADS}
     calibration, rest = convs[:calib], convs[calib:]
     measured = {w: [c for c in rest if c["workload"] == w] for w in WORKLOADS}
     if per_workload is not None:
@@ -145,24 +197,33 @@ def split_conversations(calib: int, per_workload: int | None) -> tuple[list[dict
     return calibration, measured
 
 
-def _device_budget(spec: EvalSpec, model_path: Path, geo: ExpertGeometry, n_hi: int, hi: str = "bf16") -> int:
-    """Device bytes for a dynamic config: fixed part + every int2 slot + `n_hi` hi slots, device layout."""
+def _device_budget(
+    spec: EvalSpec, model_path: Path, geo: ExpertGeometry, n_hot: int, hot: str, cold: str
+) -> int:
+    """Device bytes for a dynaexq run: fixed part + every cold slot + `n_hot` hot slots, device layout."""
     from ..bench.budget import model_bytes
     from ..models.checkpoint import load_config
     from ..models.loader import resolve_device, resolve_dtype
     from ..store import quant
 
-    config = _engine_config(spec, model_path, "dynaexq", None)
+    config = _engine_config(spec, model_path, "dynaexq", None, hot, cold)
     mb = model_bytes(config)
     dtype = resolve_dtype(config.dtype, load_config(model_path), resolve_device(config.device))
-    lo_bytes = quant.nbytes_for("int2", geo.intermediate, geo.hidden, dtype)
-    hi_bytes = (
-        mb.hi_expert_bytes if hi == "bf16" else quant.nbytes_for(hi, geo.intermediate, geo.hidden, dtype)
+    cold_bytes = quant.nbytes_for(cold, geo.intermediate, geo.hidden, dtype)
+    hot_bytes = (
+        mb.hi_expert_bytes if hot == "bf16" else quant.nbytes_for(hot, geo.intermediate, geo.hidden, dtype)
     )
-    return mb.fixed.total + geo.total * lo_bytes + n_hi * hi_bytes
+    return mb.fixed.total + geo.total * cold_bytes + n_hot * hot_bytes
 
 
-def _engine_config(spec: EvalSpec, model_path: Path, policy: str, budget_bytes: int | None, hi: str = "bf16"):
+def _engine_config(
+    spec: EvalSpec,
+    model_path: Path,
+    policy: str,
+    budget_bytes: int | None,
+    hot: str = "bf16",
+    cold: str = "int2",
+):
     from ..config import EngineConfig
 
     return EngineConfig(
@@ -170,12 +231,13 @@ def _engine_config(spec: EvalSpec, model_path: Path, policy: str, budget_bytes: 
         device=spec.device,
         dtype=spec.dtype,
         policy=policy,
-        lo_precision="int2",
-        hi_precision="hi" if hi == "bf16" else hi,
+        lo_precision=cold,
+        hi_precision=normalize_precision(hot),
         gpu_memory_bytes=budget_bytes,
         max_num_seqs=spec.batch_size,
         max_model_len=spec.max_len,
         kv_cache_tokens=spec.max_len,  # the loss forward uses no engine KV cache; keep the fixed part small
+        cache_dir=spec.cache_dir,
     )
 
 
@@ -212,6 +274,66 @@ def _score(loaded, tokenizer, spec: EvalSpec, measured: dict[str, list[dict]]) -
     return out
 
 
+def config_plan(spec: EvalSpec, model_path: Path, name: str, geo: ExpertGeometry, budget: str | None) -> dict:
+    """What one configuration runs: policy, device budget, hot/cold formats, hot experts, expert bytes
+    (bf16 layout) and bits per expert weight."""
+    ladder = ladder_of(name)
+    if ladder is not None:
+        hot, cold = ladder
+        n_hot = dynamic_hi_experts(budget, geo, hot, cold)
+        if n_hot < geo.layers:
+            raise ConfigError(
+                f"budget {budget!r} buys {n_hot} hot experts, fewer than one per layer; raise it"
+            )
+        budget_bytes, policy = _device_budget(spec, model_path, geo, n_hot, hot, cold), "dynaexq"
+        expert_bytes = geo.static_bytes(cold) + n_hot * geo.ref_bytes[hot]
+    elif name in STATIC_POLICY:
+        hot, cold, n_hot = ("bf16", "int2", geo.total) if name == "bf16" else ("bf16", name, 0)
+        budget_bytes, policy, expert_bytes = None, STATIC_POLICY[name], geo.static_bytes(name)
+    else:  # a format without a static policy: dynaexq that never promotes (every expert runs `name`)
+        hot, cold, n_hot = "bf16", name, 0
+        budget_bytes = _device_budget(spec, model_path, geo, geo.top_k, hot, cold)
+        policy, expert_bytes = "dynaexq", geo.static_bytes(name)
+    return {
+        "policy": policy,
+        "budget_bytes": budget_bytes,
+        "dynamic": ladder is not None,
+        "hot": hot,
+        "cold": cold,
+        "hi_experts": n_hot,
+        "hi_precision": hot,
+        "expert_bytes": expert_bytes,
+        "bits_per_weight": geo.bits_per_weight(expert_bytes),
+    }
+
+
+def _calibrate(loaded, tokenizer, spec: EvalSpec, calibration, residency) -> dict:
+    """Count router selections over the calibration conversations, force one scheduler update and
+    apply its promotions. Returns the calibration record."""
+    from ..data.sharegpt import heldout_loss
+
+    scheduler = loaded.policy
+    scheduler.clock = None  # updates only when asked, during calibration
+    calib_loss = heldout_loss(
+        loaded.model,
+        tokenizer,
+        calibration,
+        max_len=spec.max_len,
+        device=loaded.device,
+        batch_size=spec.batch_size,
+    )
+    scheduler.update()
+    residency.settle()
+    if spec.adapt:
+        scheduler.clock = time.monotonic
+    return {
+        "conversations": len(calibration),
+        "loss": calib_loss,
+        "resident": residency.resident_counts(),
+        "n_hi_per_layer": list(scheduler.n_hi),
+    }
+
+
 def evaluate_config(
     spec: EvalSpec,
     model_path: Path,
@@ -224,58 +346,27 @@ def evaluate_config(
 ) -> dict:
     """Load one configuration, calibrate it if dynamic, score it. Returns its JSON record."""
     from ..bench.runs import close_engine, free_device
-    from ..data.sharegpt import heldout_loss
     from ..engine.llm import build_engine
 
     record: dict = {"name": name if budget is None else f"{name}@{budget}", "config": name, "budget": budget}
-    hi = DYNAMIC.get(name, "bf16")
-    if name in DYNAMIC:
-        n_hi = dynamic_hi_experts(budget, geo, hi)
-        if n_hi < geo.layers:
-            raise ConfigError(f"budget {budget!r} buys {n_hi} hi experts, fewer than one per layer; raise it")
-        budget_bytes = _device_budget(spec, model_path, geo, n_hi, hi)
-        policy = "dynaexq"
-        record.update(
-            hi_experts=n_hi, hi_precision=hi, expert_bytes=geo.static_bytes("int2") + n_hi * geo.ref_bytes[hi]
-        )
-    else:
-        budget_bytes, policy = None, STATIC_POLICY[name]
-        precision = {"bf16": "bf16", "int4": "int4", "int2": "int2"}[name]
-        record.update(hi_experts=geo.total if name == "bf16" else 0, expert_bytes=geo.static_bytes(precision))
-    record.update(policy=policy, budget_bytes=budget_bytes)
-    config = _engine_config(spec, model_path, policy, budget_bytes, hi)
+    plan = config_plan(spec, model_path, name, geo, budget)
+    record.update(plan)
+    config = _engine_config(spec, model_path, plan["policy"], plan["budget_bytes"], plan["hot"], plan["cold"])
     free_device()
     t0 = time.perf_counter()
     loaded, _, tokenizer = build_engine(config, progress=False)
     try:
         residency = loaded.runtime.residency
-        plan = getattr(residency, "plan", None)
-        record["plan"] = plan.describe() if plan is not None else None
+        memory_plan = getattr(residency, "plan", None)
+        record["plan"] = memory_plan.describe() if memory_plan is not None else None
         record["device"] = str(loaded.device)
-        if name in DYNAMIC:
-            scheduler = loaded.policy
-            scheduler.clock = None  # updates only when asked, during calibration
-            calib_loss = heldout_loss(
-                loaded.model,
-                tokenizer,
-                calibration,
-                max_len=spec.max_len,
-                device=loaded.device,
-                batch_size=spec.batch_size,
-            )
-            scheduler.update()
-            residency.settle()
-            record["calibration"] = {
-                "conversations": len(calibration),
-                "loss": calib_loss,
-                "resident": residency.resident_counts(),
-                "n_hi_per_layer": scheduler.n_hi[0],
-            }
-            if spec.adapt:
-                scheduler.clock = time.monotonic
+        if plan["dynamic"]:
+            record["calibration"] = _calibrate(loaded, tokenizer, spec, calibration, residency)
+        elif plan["policy"] == "dynaexq":
+            loaded.policy.clock = None  # a static format: nothing is ever promoted
         loaded.runtime.metrics.reset()
         record.update(_score(loaded, tokenizer, spec, measured))
-        if name in DYNAMIC:
+        if plan["policy"] == "dynaexq":
             record["scheduler"] = loaded.policy.stats()
             record["resident_after"] = residency.resident_counts()
             m = loaded.runtime.metrics.snapshot()
@@ -291,7 +382,8 @@ def evaluate_config(
 def gap_recovered(results: list[dict], budget: str = "mid", config: str = "dynamic") -> dict | None:
     """(ppl_int2 - ppl_dyn) / (ppl_int2 - ppl_int4) per workload at `budget`; None if a part is missing."""
     by = {r["name"]: r for r in results if "ppl" in r}
-    dyn, lo2, lo4 = by.get(f"{config}@{budget}"), by.get("int2"), by.get("int4")
+    dyn = by.get(f"{config}@{budget}") or by.get(f"{LADDER_ALIASES.get(config, config)}@{budget}")
+    lo2, lo4 = by.get("int2"), by.get("int4")
     if not (dyn and lo2 and lo4):
         return None
     out = {}
@@ -303,6 +395,34 @@ def gap_recovered(results: list[dict], budget: str = "mid", config: str = "dynam
     return out
 
 
+def add_loss_increase(results: list[dict]) -> None:
+    """Each record's loss minus bf16's, per workload (the checkpoint's precision); in place."""
+    base = next((r for r in results if r["name"] == "bf16" and "loss" in r), None)
+    for r in results:
+        if base is not None and "loss" in r:
+            r["loss_increase"] = {w: r["loss"][w] - base["loss"][w] for w in r["loss"] if w in base["loss"]}
+
+
+def summarize(results: list[dict]) -> dict:
+    """The quality targets' numbers: loss increase and bits per weight of each static low-bit format,
+    and the best ladder's share of the int2 -> int4 perplexity gap at the halfway memory."""
+    summary: dict = {}
+    for r in results:
+        key = SUMMARY_KEYS.get(r["name"])
+        if key and "loss_increase" in r:
+            summary[f"{key}_loss_increase"] = r["loss_increase"]["all"]
+            summary[f"{key}_bits_per_weight"] = r["bits_per_weight"]
+    ladders = sorted({r["config"] for r in results if r.get("dynamic") and r.get("budget") == "mid"})
+    gaps = {c: (gap_recovered(results, "mid", c) or {}).get("all") for c in ladders}
+    gaps = {c: g for c, g in gaps.items() if g is not None}
+    summary["gap_recovered_at_mid"] = gaps
+    if gaps:
+        best = max(gaps, key=gaps.get)
+        summary["dynamic_halfway_gap_recovered"] = gaps[best]
+        summary["dynamic_halfway_best_ladder"] = LADDER_ALIASES.get(best, best)
+    return summary
+
+
 def write_table(report: dict, path: Path) -> str:
     cols = ["all", *WORKLOADS]
     lines = [
@@ -310,86 +430,133 @@ def write_table(report: dict, path: Path) -> str:
         "",
         (
             f"machine: {report['machine'].get('gpu') or 'CPU'}; measured conversations per workload:"
-            f" {report['measured_conversations']}; calibration (dynamic only): first"
-            f" {report['calibration_conversations']} held-out conversations, never measured"
+            f" {report['measured_conversations']}; calibration (dynamic only):"
+            f" {report['calibration_conversations']} other held-out conversations, never measured"
         ),
     ]
     if report.get("command"):
         lines.append(f"command: `{report['command']}`")
     lines += [
         "",
-        "Perplexity (exp of nats/token) on held-out ShareGPT; expert memory in the bf16 layout.",
+        (
+            "Loss (nats/token) on held-out ShareGPT; its increase over bf16 per workload; bits per expert"
+            " weight and expert memory from stored bytes (bf16 layout, scales/offsets/padding included)."
+        ),
         "",
-        "| config | expert memory | hi experts | " + " | ".join(f"ppl {c}" for c in cols) + " | loss all |",
-        "| --- | ---: | ---: | " + " | ".join("---:" for _ in cols) + " | ---: |",
+        ("| config | bits/weight | expert memory | hot experts | loss all | ")
+        + " | ".join(f"+loss {c}" for c in cols)
+        + " | ppl all |",
+        "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in cols) + " | ---: |",
     ]
     for r in report["results"]:
         if r.get("error"):
-            lines.append(f"| {r['name']} | error: {r['error']} |" + " |" * (len(cols) + 2))
+            lines.append(f"| {r['name']} | error: {r['error']} |" + " |" * (len(cols) + 4))
             continue
-        ppl = " | ".join(f"{r['ppl'].get(c, math.nan):.3f}" for c in cols)
+        inc = r.get("loss_increase") or {}
+        cells = " | ".join(f"{inc[c]:+.4f}" if c in inc else "n/a" for c in cols)
         lines.append(
-            f"| {r['name']} | {format_bytes(r['expert_bytes'])} | {r['hi_experts']} | {ppl}"
-            f" | {r['loss']['all']:.4f} |"
+            f"| {r['name']} | {r['bits_per_weight']:.3f} | {format_bytes(r['expert_bytes'])} | {r['hi_experts']}"
+            f" | {r['loss']['all']:.4f} | {cells} | {r['ppl']['all']:.3f} |"
         )
     lines.append("")
-    for config, gap in (
-        ("dynamic", report.get("gap_recovered")),
-        ("dynamic-int4", report.get("gap_recovered_int4")),
-    ):
-        if gap:
-            parts = ", ".join(f"{w} {v:.1%}" if v is not None else f"{w} n/a" for w, v in gap.items())
-            lines.append(
-                f"Gap recovered by {config} at the memory halfway between static int2 and int4"
-                f" ((ppl_int2 - ppl_dyn) / (ppl_int2 - ppl_int4)): {parts}. Target: >= 50%."
-            )
-        else:
-            lines.append(f"Gap recovered by {config}: not computed (needs int2, int4 and {config} at `mid`).")
+    gaps = (report.get("summary") or {}).get("gap_recovered_at_mid") or {}
+    for config, gap in gaps.items():
+        lines.append(
+            f"Gap recovered by {LADDER_ALIASES.get(config, config)} at the memory halfway between static int2"
+            f" and int4 ((ppl_int2 - ppl_dyn) / (ppl_int2 - ppl_int4), all workloads): {gap:.1%}."
+        )
+    if not gaps:
+        lines.append("Gap recovered: not computed (needs int2, int4 and a ladder at `mid`).")
+    summary = {k: v for k, v in (report.get("summary") or {}).items() if k != "gap_recovered_at_mid"}
+    if summary:
+        lines += [
+            "",
+            "Summary: "
+            + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
+        ]
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
 
 
 def write_plot(report: dict, path: Path) -> None:
+    """Loss increase over bf16 against bits per expert weight, one panel per workload: a point per
+    static format, a line per dynamic ladder (over its budgets)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in report["results"] if "ppl" in r]
+    ok = [r for r in report["results"] if "loss_increase" in r]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
     for ax, w in zip(axes.flat, ("all", *WORKLOADS), strict=True):
-        dyn = []
-        for config, label in (
-            ("dynamic", "dynamic (bf16 + int2)"),
-            ("dynamic-int4", "dynamic (int4 + int2)"),
-        ):
+        for config in dict.fromkeys(r["config"] for r in ok if r.get("dynamic")):
             points = sorted(
-                (r["expert_bytes"], r["ppl"][w]) for r in ok if r["config"] == config and w in r["ppl"]
+                (r["bits_per_weight"], r["loss_increase"][w])
+                for r in ok
+                if r["config"] == config and w in r["loss_increase"]
             )
-            if points:
-                dyn += points
-                ax.plot([m / 2**20 for m, _ in points], [p for _, p in points], marker="o", label=label)
+            ax.plot(*zip(*points), marker="o", label=f"dynamic {LADDER_ALIASES.get(config, config)}")
         for r in ok:
-            if r["config"] not in DYNAMIC and w in r["ppl"]:
-                ax.scatter([r["expert_bytes"] / 2**20], [r["ppl"][w]], marker="s", s=50, zorder=3)
+            if not r.get("dynamic") and w in r["loss_increase"]:
+                ax.scatter(
+                    [r["bits_per_weight"]], [r["loss_increase"][w]], marker="s", s=50, zorder=3, color="k"
+                )
                 ax.annotate(
                     f"static {r['name']}",
-                    (r["expert_bytes"] / 2**20, r["ppl"][w]),
+                    (r["bits_per_weight"], r["loss_increase"][w]),
                     textcoords="offset points",
                     xytext=(5, 5),
                     fontsize=8,
                 )
         ax.set_title(w)
-        ax.set_xlabel("expert memory (MiB, bf16 layout)")
-        ax.set_ylabel("perplexity")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([2, 2.5, 3, 4, 6, 8, 16], labels=["2", "2.5", "3", "4", "6", "8", "16"])
+        ax.set_xlabel("bits per expert weight (stored bytes)")
+        ax.set_ylabel("loss increase over bf16 (nats/token)")
         ax.grid(alpha=0.3)
-        if dyn:
-            ax.legend(fontsize=8)
-    fig.suptitle(f"held-out perplexity vs expert memory: {Path(report['model_path']).name}")
+        if any(r.get("dynamic") for r in ok):
+            ax.legend(fontsize=7)
+    fig.suptitle(f"held-out loss vs bits per expert weight: {Path(report['model_path']).name}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def eval_jobs(spec: EvalSpec) -> list[tuple[str, str | None]]:
+    """(config, budget) pairs in run order: static formats first (bf16 is every loss's baseline)."""
+    jobs = [(c, None) for c in STATIC if c in spec.configs]
+    jobs += [(c, None) for c in spec.configs if c not in STATIC and ladder_of(c) is None]
+    for config in spec.configs:
+        if ladder_of(config) is not None:
+            # dynamic-int4 (int4>int2) was only ever run at the halfway point; kept as it was
+            budgets = ["mid"] if config == "dynamic-int4" else spec.budgets
+            jobs += [(config, b) for b in budgets]
+    return jobs
+
+
+def _run_one(spec, model_path, name, budget, geo, calibration, measured, bar) -> dict:
+    try:
+        r = evaluate_config(spec, model_path, name, geo, calibration, measured, budget=budget)
+        bar.write(
+            f"{r['name']}: loss {r['loss']['all']:.4f} ("
+            + ", ".join(f"{w} {r['loss'][w]:.4f}" for w in WORKLOADS if w in r["loss"])
+            + f") at {r['bits_per_weight']:.3f} bits/weight",
+            file=sys.stderr,
+        )
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # a failing configuration is recorded; the others still run
+        from ..bench.runs import one_line_error
+
+        r = {
+            "name": name if budget is None else f"{name}@{budget}",
+            "config": name,
+            "budget": budget,
+            "error": one_line_error(e),
+        }
+        bar.write(f"{r['name']}: error: {r['error']}", file=sys.stderr)
+    return r
 
 
 def run_eval(spec: EvalSpec, *, progress: bool = True) -> dict:
@@ -402,11 +569,7 @@ def run_eval(spec: EvalSpec, *, progress: bool = True) -> dict:
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
     geo = expert_geometry(model_path)
-    calibration, measured = split_conversations(spec.calib_convs, spec.max_convs)
-    jobs = [(c, None) for c in ("bf16", "int4", "int2") if c in spec.configs]
-    for config in DYNAMIC:
-        if config in spec.configs:
-            jobs += [(config, b) for b in spec.budgets if not (config == "dynamic-int4" and b != "mid")]
+    calibration, measured = split_conversations(spec.calib_convs, spec.max_convs, spec.first)
     report = {
         "command": spec.command,
         "spec": dataclasses.asdict(spec),
@@ -417,34 +580,17 @@ def run_eval(spec: EvalSpec, *, progress: bool = True) -> dict:
         "measured_conversations": {w: len(c) for w, c in measured.items()},
         "results": [],
     }
+    jobs = eval_jobs(spec)
     bar = tqdm(jobs, desc="eval", unit="config", disable=not progress, file=sys.stderr)
     for name, budget in bar:
         bar.set_postfix_str(name if budget is None else f"{name}@{budget}")
-        try:
-            r = evaluate_config(spec, model_path, name, geo, calibration, measured, budget=budget)
-            bar.write(
-                f"{r['name']}: ppl {r['ppl']['all']:.3f} ("
-                + ", ".join(f"{w} {r['ppl'][w]:.3f}" for w in WORKLOADS if w in r["ppl"])
-                + f") at {format_bytes(r['expert_bytes'])}",
-                file=sys.stderr,
-            )
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # a failing configuration is recorded; the others still run
-            from ..bench.runs import one_line_error
-
-            r = {
-                "name": name if budget is None else f"{name}@{budget}",
-                "config": name,
-                "budget": budget,
-                "error": one_line_error(e),
-            }
-            bar.write(f"{r['name']}: error: {r['error']}", file=sys.stderr)
-        report["results"].append(r)
+        report["results"].append(_run_one(spec, model_path, name, budget, geo, calibration, measured, bar))
+        add_loss_increase(report["results"])
+        report["summary"] = summarize(report["results"])
         report["gap_recovered"] = gap_recovered(report["results"])
         report["gap_recovered_int4"] = gap_recovered(report["results"], config="dynamic-int4")
         (out / "eval.json").write_text(json.dumps(report, indent=2, default=str))
         write_table(report, out / "eval.md")
-        write_plot(report, out / "quality_vs_memory.png")
+        write_plot(report, out / "quality_vs_bits.png")
     bar.close()
     return report

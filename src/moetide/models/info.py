@@ -11,12 +11,13 @@ _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I8
 
 
 def expert_bytes(intermediate: int, hidden: int) -> dict[str, int]:
-    """Bytes of one expert (gate, up, down) per precision, in the store's layouts."""
+    """Bytes of one expert (gate, up, down) per precision of the registry, in the store's layouts
+    ("bf16" first, then every low-bit format, most bytes first)."""
     import torch
 
     from ..store import quant
 
-    return {p: quant.nbytes_for(p, intermediate, hidden, torch.bfloat16) for p in ("bf16", "int4", "int2")}
+    return {p: quant.nbytes_for(p, intermediate, hidden, torch.bfloat16) for p in quant.precision_names()}
 
 
 def checkpoint_summary(path) -> dict:
@@ -70,6 +71,9 @@ def describe_checkpoint(path) -> str:
         f"parameters    {s['params_total'] / 1e6:,.1f} M total, {s['params_experts'] / 1e6:,.1f} M in experts,"
         f" {s['params_non_expert'] / 1e6:,.1f} M other, {s['params_active_per_token'] / 1e6:,.1f} M active per token",
         "bytes/expert  " + ", ".join(f"{p} {format_bytes(b)}" for p, b in per.items()),
+        ("bits/weight   ")
+        + ", ".join(f"{p} {8 * b / s['params_per_expert']:.2f}" for p, b in per.items())
+        + "  (stored bytes: scales, offsets, padding)",
         "all experts   " + ", ".join(f"{p} {format_bytes(b * n_exp)}" for p, b in per.items()),
         f"shards        {s['shards']}",
     ]

@@ -6,9 +6,11 @@ is the loader's.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
+from ..store.formats import precision_names
 from ..store.prepare import ensure_precision
 from .loader import load_weights
 
@@ -18,11 +20,15 @@ def prepare(
     precisions: list[str],
     *,
     cache_dir: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     progress: bool = True,
 ) -> list[Path]:
-    """Read the checkpoint's experts into a host store and write each lo precision's cache."""
-    loaded = load_weights(model_path, device="cpu", dtype=dtype, progress=progress)
+    """Read the checkpoint's experts into a host store and write each lo precision's cache.
+
+    The cache key depends on the values quantized, not on the storage dtype, so what this writes is
+    what `generate`/`serve`/`bench` read on any device (given the same `--cache-dir`)."""
+    # the loader's bar only on a terminal: a log gets the one line per precision the store prints
+    loaded = load_weights(model_path, device="cpu", dtype=dtype, progress=progress and sys.stderr.isatty())
     written = []
     for precision in precisions:
         path = ensure_precision(
@@ -43,22 +49,25 @@ def prepare(
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser("prepare", help="quantize every expert to int4/int2 once and cache it on disk")
     p.add_argument("model", help="checkpoint directory")
-    p.add_argument("--lo", default="int4,int2", help="comma-separated lo precisions (int4, int2)")
+    names = ", ".join(precision_names(low_bit_only=True))
+    p.add_argument("--lo", default="int4,int2", help=f"comma-separated lo precisions ({names})")
     p.add_argument("--cache-dir", default=None, help="where to write (default: <model>/.moetide-cache)")
     p.add_argument(
         "--dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float32"],
-        help="storage dtype the versions are quantized from (bfloat16 = what CUDA runs)",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="storage dtype while quantizing (auto: what the runtime uses here); the cache it writes"
+        " serves every storage dtype of the same checkpoint values",
     )
     p.set_defaults(func=_cmd_prepare)
 
 
 def _cmd_prepare(args) -> int:
     precisions = [p.strip() for p in args.lo.split(",") if p.strip()]
-    bad = [p for p in precisions if p not in ("int4", "int2")]
+    bad = [p for p in precisions if p not in precision_names(low_bit_only=True)]
     if bad or not precisions:
-        raise CheckpointError(f"--lo takes int4 and/or int2, got {args.lo!r}")
+        names = ", ".join(precision_names(low_bit_only=True))
+        raise ConfigError(f"--lo takes one or more of {names} (comma-separated), got {args.lo!r}")
     for path in prepare(args.model, precisions, cache_dir=args.cache_dir, dtype=args.dtype):
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0

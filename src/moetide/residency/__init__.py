@@ -28,22 +28,29 @@ AUTO_LO_MIN_HI_SHARE = 0.25  # "auto" keeps int4 only if >= this share of the ex
 def lo_precision_for(
     config: EngineConfig, store: HostExpertStore | None = None, expert_room: int | None = None
 ) -> str:
-    """The lo precision: fixed by static policies, else the config's, else (auto) int4 when every
-    expert fits in int4 with a quarter of the expert memory left for the hi cache, else int2."""
+    """The lo precision: fixed by static policies, else the config's, else (auto) the widest format
+    of the registry (int4, then int2+4) whose every expert fits with a quarter of the expert memory
+    left for the hot pool, else the narrowest (int2). With low-bit hot experts (`--hi int4`), auto
+    takes the narrowest format below them."""
+    from ..store import quant
+
     fixed = policy_spec(config.policy).lo_precision
     if fixed or config.lo_precision != "auto":
         return fixed or config.lo_precision
+    candidates = list(quant.LOW_BIT_FORMATS)  # most bytes first
+    if config.hi_precision != "hi" and config.policy in ("dynaexq", "combined"):
+        return candidates[-1]
     if store is None or expert_room is None:
-        return "int4"
-    from ..store import quant
-
+        return candidates[0]
     shape = store.shape
-    int4_all = (
-        store.num_layers
-        * store.num_experts
-        * quant.nbytes_for("int4", shape.intermediate, shape.hidden, shape.dtype)
-    )
-    return "int4" if int4_all <= (1 - AUTO_LO_MIN_HI_SHARE) * expert_room else "int2"
+    for precision in candidates[:-1]:
+        every = store.num_layers * store.num_experts
+        if (
+            every * quant.nbytes_for(precision, shape.intermediate, shape.hidden, shape.dtype)
+            <= (1 - AUTO_LO_MIN_HI_SHARE) * expert_room
+        ):
+            return precision
+    return candidates[-1]
 
 
 def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
@@ -117,14 +124,14 @@ def build_residency(
             mode, needs_lo = "all-hi", False  # no cap given and the whole model fits: nothing to offload
     lo = lo_precision_for(config, store, room)
     hi_precision = config.hi_precision if mode == "lo+hi" else "hi"
-    if hi_precision != "hi":
-        lo = "int2"
+    from pathlib import Path
+
     from ..store.prepare import ensure_precision
 
-    if needs_lo and lo not in store.versions:
-        ensure_precision(store, config.model_path, lo, progress=progress)
-    if hi_precision not in store.versions:
-        ensure_precision(store, config.model_path, hi_precision, progress=progress)
+    cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else None
+    for precision, needed in ((lo, needs_lo), (hi_precision, True)):
+        if needed and precision not in store.versions:
+            ensure_precision(store, config.model_path, precision, progress=progress, cache_dir=cache_dir)
     lo_bytes = store.bytes_per_expert(lo) if lo in store.versions else 0
     top_k = getattr(model_config, "num_experts_per_tok", 1)
     plan = plan_memory(

@@ -41,7 +41,7 @@ class ResidencyOptions:
     """Behaviour of the core for one policy.
 
     mode: memory mode of `plan_memory` ("all-hi", "all-lo", "hi-cache", "lo+hi").
-    lo_precision: precision of lo versions ("int4" or "int2").
+    lo_precision: precision of lo versions (a low-bit name of `store.formats.FORMATS`).
     on_miss: "stall" (load the demand precision) or "lo" (run a published lo version instead).
     max_background_copies: precision changes (promotions) issued per layer at most (migration rate
         limit). Prefetches are not limited: the policy sized them (FineMoE's delta), and a cap left
@@ -57,7 +57,7 @@ class ResidencyOptions:
     on_miss: str = "stall"
     max_background_copies: int = 8
     protect_iterations: int = 1
-    hi_precision: str = "hi"  # the version the hi pool holds: "hi" (checkpoint precision) or "int4"
+    hi_precision: str = "hi"  # the version the hi pool holds: "hi" (checkpoint precision) or a FORMATS name
     eviction: str = "lru"
     # publish copies only at step boundaries, after waiting for them (EngineConfig.deterministic)
     deterministic: bool = False

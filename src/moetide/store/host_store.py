@@ -11,6 +11,7 @@ allocated (and, with CUDA, pinned) once, before any weight is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -73,6 +74,7 @@ class HostExpertStore:
         self.meta: dict[str, object] = {}
         self.versions: dict[str, torch.Tensor] = {}
         self._filled: torch.Tensor = torch.zeros(num_layers, num_experts, 3, dtype=torch.bool)
+        self.checkpoint_dtype: torch.dtype | None = None  # the dtype the checkpoint's tensors came in
         self._allocate("hi", None, shape.hi_nbytes)
 
     # -- allocation ---------------------------------------------------------------------------------
@@ -124,6 +126,16 @@ class HostExpertStore:
             )
         target.copy_(tensor)
         self._filled[layer, expert, ("gate", "up", "down").index(role)] = True
+        self.checkpoint_dtype = self.checkpoint_dtype or tensor.dtype
+
+    @property
+    def values_dtype(self) -> torch.dtype:
+        """The narrowest dtype that holds the hi values exactly: the checkpoint's when the store
+        widened it to float32 (an exact cast), else the store's. Quantizing is a function of the
+        values alone, so two stores with the same values_dtype give the same lo versions."""
+        if self.shape.dtype == torch.float32 and self.checkpoint_dtype is not None:
+            return self.checkpoint_dtype
+        return self.shape.dtype
 
     def check_complete(self) -> None:
         """Raise CheckpointError naming the first expert tensor the checkpoint did not provide."""
@@ -136,26 +148,78 @@ class HostExpertStore:
 
     # -- lo versions -----------------------------------------------------------------------------------
     def add_precision(self, precision: str, progress=None, device: torch.device | str | None = None) -> None:
-        """Quantize every hi expert into a new `precision` arena ("int4" or "int2").
+        """Quantize every hi expert into a new `precision` arena (any low-bit `quant.FORMATS` name).
 
-        `device`: where the quantizer runs (CUDA is ~50x faster for large models; the result is the
-        same function of the weights, and lands in host memory either way).
+        Experts are quantized `experts_per_batch` at a time, stacked into one matrix per projection
+        (`quant.pack_experts`). `device`: where the quantizer runs (a GPU is faster for large models;
+        the result is the same function of the weights, and lands in host memory either way).
+        `progress`: anything with `update(n)` (a tqdm bar), advanced by experts.
         """
         from . import quant
 
-        arena = None
-        for layer in range(self.num_layers):
-            for expert in range(self.num_experts):
-                hi = self.views(layer, expert, "hi")
-                if device is not None:
-                    hi = {k: v.to(device, non_blocking=True) for k, v in hi.items()}
-                buf, meta = quant.pack_expert(hi["gate_up"], hi["down"], precision)
-                buf = buf.cpu()
-                if arena is None:
-                    arena = self._allocate(precision, meta, buf.numel())
-                arena[self.row(layer, expert)].copy_(buf)
-                if progress is not None:
-                    progress.update(1)
+        shape = self.shape
+        meta = quant.expert_layout(precision, shape.intermediate, shape.hidden, shape.dtype)
+        arena = self._allocate(precision, meta, meta.nbytes)
+        gate_up_all, down_all = hi_group_views(self.versions["hi"], shape)
+        step = self.experts_per_batch(device)
+        for start in range(0, arena.shape[0], step):
+            stop = min(start + step, arena.shape[0])
+            gate_up, down = gate_up_all[start:stop], down_all[start:stop]
+            if device is not None:
+                gate_up, down = gate_up.to(device), down.to(device)
+                rows = torch.empty((stop - start, meta.nbytes), dtype=torch.uint8, device=device)
+                quant.pack_experts(gate_up, down, meta, rows)
+                arena[start:stop].copy_(rows)
+            else:
+                quant.pack_experts(gate_up, down, meta, arena[start:stop])
+            if progress is not None:
+                progress.update(stop - start)
+
+    # Weights quantized per batch: 4 M on the CPU (16 MiB per float32 temporary, so a batch's ~20
+    # live temporaries stay near the caches), 64 M on a GPU (enough to fill it).
+    WEIGHTS_PER_BATCH = MappingProxyType({"cpu": 1 << 22, "cuda": 1 << 26})
+
+    def experts_per_batch(self, device: torch.device | str | None = None) -> int:
+        kind = torch.device(device).type if device is not None else "cpu"
+        per_expert = 3 * self.shape.intermediate * self.shape.hidden
+        return max(1, self.WEIGHTS_PER_BATCH.get(kind, 1 << 22) // per_expert)
+
+    GAIN_ROWS = 64
+
+    def promotion_gain(self, hot: str, cold: str) -> torch.Tensor | None:
+        """(L, E) float32: how much squared weight error each expert loses when it runs `hot` instead
+        of `cold`, estimated on the first GAIN_ROWS rows of gate_up and of down (an expert's rows
+        share its weight statistics; the whole matrices would cost a large model tens of seconds of
+        start-up); None when a version is not in host memory. Experts are dequantized
+        `experts_per_batch` at a time."""
+        if any(p not in self.versions for p in ("hi", hot, cold)):
+            return None
+        gate_up, down = hi_group_views(self.versions["hi"], self.shape)
+        gain = torch.zeros(gate_up.shape[0])
+        step = self.experts_per_batch()
+        for start in range(0, gate_up.shape[0], step):
+            rows = slice(start, start + step)
+            exact = (gate_up[rows, : self.GAIN_ROWS].float(), down[rows, : self.GAIN_ROWS].float())
+            gain[rows] = self._squared_error(cold, rows, exact) - self._squared_error(hot, rows, exact)
+        return gain.view(self.num_layers, self.num_experts)
+
+    def _squared_error(self, precision: str, rows: slice, exact) -> torch.Tensor:
+        """Per expert of `rows`, the squared error of `precision`'s weights against `exact`."""
+        from . import quant
+
+        if precision == "hi":
+            return torch.zeros(exact[0].shape[0])
+        meta = self.meta[precision]
+        views = quant.expert_row_views(self.versions[precision][rows], meta)
+        error = torch.zeros(exact[0].shape[0])
+        for name, weight in zip(("gate_up", "down"), exact, strict=True):
+            p, n, k = weight.shape  # n <= GAIN_ROWS: the sampled rows
+            packed = views[f"{name}_packed"][:, :n]
+            codes = quant.unpack(packed, meta.bits_of(name)).reshape(p * n, k)
+            scale, offset = (views[f"{name}_{part}"][:, :n].reshape(p * n, -1) for part in ("scale", "offset"))
+            w_hat = quant.dequantize_matrix(codes, scale, offset, torch.float32).view(p, n, k)
+            error += (w_hat - weight).square().sum((1, 2))
+        return error
 
     def load_precision(self, precision: str, arena: torch.Tensor, meta) -> None:
         """Adopt a prepared arena (from the on-disk cache) for `precision`."""

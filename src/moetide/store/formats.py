@@ -1,0 +1,80 @@
+"""The one registry of expert precisions (`FORMATS`): names, bits and group sizes per matrix.
+
+Pure data, no torch: the CLI, `EngineConfig`, the prepared-cache keys, the residency, `moetide info`
+and `moetide eval` read this table; `store.quant` builds layouts from it. Adding a format here is the
+whole change (the layout, packing and dequantization follow the spec).
+
+Names: "hi" (alias "bf16": the checkpoint's dtype), "int<b>" (gate_up and down both b bits),
+"int<g>+<d>" (gate_up g bits, down d bits). Group sizes run along each matrix's input dimension
+(H for gate_up, I for down); each is the preferred size, halved while it does not divide K
+(`quant.default_group_size`); None = the default for that width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One expert precision: bits and group size per matrix (0 bits = "hi", the checkpoint dtype)."""
+
+    name: str
+    bits_gate_up: int
+    bits_down: int
+    group_size_gate_up: int | None = None
+    group_size_down: int | None = None
+    summary: str = ""
+
+    @property
+    def is_low_bit(self) -> bool:
+        return self.bits_gate_up > 0
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.bits_gate_up != self.bits_down
+
+
+# Ordered from most to fewest bytes. "int2+4" keeps down in int4: down is a third of an expert's
+# weights, and its error lands on the residual stream without passing through the SwiGLU gate
+# (measured: docs/quantization.md; llama.cpp's Q2_K keeps this projection wider for the same reason).
+FORMATS = MappingProxyType(
+    {
+        "hi": FormatSpec("hi", 0, 0, summary="the checkpoint's dtype (bf16 on a GPU)"),
+        "int4": FormatSpec("int4", 4, 4, 64, 64, summary="int4, group 64"),
+        "int2+4": FormatSpec(
+            "int2+4", 2, 4, 128, 64, summary="int2 gate_up (group 128), int4 down (group 64)"
+        ),
+        # int2 with down's groups 4x smaller: the 2.5 bits of int2 in groups of 64, but a third less
+        # of its loss increase on the demo model (docs/quantization.md)
+        "int2+2": FormatSpec("int2+2", 2, 2, 128, 32, summary="int2, groups 128 (gate_up) / 32 (down)"),
+        "int2": FormatSpec("int2", 2, 2, 128, 128, summary="int2, group 128"),
+    }
+)
+HI_ALIASES = frozenset({"hi", "bf16"})
+LOW_BIT_FORMATS = tuple(name for name, spec in FORMATS.items() if spec.is_low_bit)
+
+
+def normalize_precision(precision: str) -> str:
+    """ "hi"/"bf16" -> "hi"; any other FORMATS name unchanged; anything else: ValueError."""
+    if precision in HI_ALIASES:
+        return "hi"
+    if precision in FORMATS:
+        return precision
+    raise ValueError(f"precision must be one of {', '.join(precision_names())}; got {precision!r}")
+
+
+def precision_names(low_bit_only: bool = False) -> tuple[str, ...]:
+    """Names a user may type: "bf16" for hi, then every low-bit format (most bytes first)."""
+    return LOW_BIT_FORMATS if low_bit_only else ("bf16", *LOW_BIT_FORMATS)
+
+
+def format_spec(precision: str) -> FormatSpec:
+    """The FORMATS entry of a precision name (aliases accepted); ValueError for an unknown one."""
+    return FORMATS[normalize_precision(precision)]
+
+
+def user_name(precision: str) -> str:
+    """The name shown to users: "hi" is shown as "bf16"."""
+    return "bf16" if normalize_precision(precision) == "hi" else precision
