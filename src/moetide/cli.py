@@ -108,12 +108,19 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         help="expert versions to keep in host memory, e.g. 'lo' or 'hi,lo' (default: all); a version"
         " can be dropped only where the device holds it for every expert",
     )
+    add_step_args(p)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """How each step runs: kernel, graphs, compile, determinism, FineMoE's searcher."""
     p.add_argument(
         "--lo-kernel",
         default="auto",
         choices=LO_KERNELS,
-        help="lo experts at decode: dequantize + bf16 matmul, the fused Triton kernel (CUDA), or auto"
-        " (default: triton where it runs, else dequant)",
+        help="how experts are computed: the per-expert reference (dequant), the fused Triton kernel"
+        " (triton; CUDA), or auto (default: triton on CUDA, else dequant)",
     )
     p.add_argument(
         "--cuda-graphs",
@@ -143,8 +150,6 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         help="where FineMoE's map searcher runs (finemoe, combined): its own process (default) or a"
         " thread of the engine's process",
     )
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=None)
 
 
 def engine_config_from_args(args) -> EngineConfig:
