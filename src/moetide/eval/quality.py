@@ -52,6 +52,7 @@ from pathlib import Path
 
 from ..config import format_bytes
 from ..errors import ConfigError
+from ..policies.dynaexq import DynaExqScheduler
 from ..store.formats import FORMATS, normalize_precision, precision_names
 
 STATIC = precision_names()  # "bf16", then every low-bit format, most bytes first
@@ -362,11 +363,11 @@ def evaluate_config(
         record["device"] = str(loaded.device)
         if plan["dynamic"]:
             record["calibration"] = _calibrate(loaded, tokenizer, spec, calibration, residency)
-        elif plan["policy"] == "dynaexq":
+        elif isinstance(loaded.policy, DynaExqScheduler):
             loaded.policy.clock = None  # a static format: nothing is ever promoted
         loaded.runtime.metrics.reset()
         record.update(_score(loaded, tokenizer, spec, measured))
-        if plan["policy"] == "dynaexq":
+        if isinstance(loaded.policy, DynaExqScheduler):
             record["scheduler"] = loaded.policy.stats()
             record["resident_after"] = residency.resident_counts()
             m = loaded.runtime.metrics.snapshot()

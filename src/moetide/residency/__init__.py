@@ -38,7 +38,7 @@ def lo_precision_for(
     if fixed or config.lo_precision != "auto":
         return fixed or config.lo_precision
     candidates = list(quant.LOW_BIT_FORMATS)  # most bytes first
-    if config.hi_precision != "hi" and config.policy in ("dynaexq", "combined"):
+    if config.hi_precision != "hi" and policy_spec(config.policy).memory_mode == "lo+hi":
         return candidates[-1]
     if store is None or expert_room is None:
         return candidates[0]
