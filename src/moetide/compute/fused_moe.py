@@ -320,7 +320,11 @@ def fused_moe(
     inter = fmt.intermediate_size
     if fmt.hidden_size != hidden_size:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not fit the pools' H={fmt.hidden_size}")
-    config = _fit_packed_tiles(config or config_for(num_tokens, hidden_size, inter, fmt.name), pools)
+    if config is None:
+        config = config_for(num_tokens, hidden_size, inter, fmt.name)
+        if _WIDEN_DOT:  # the interpreter runs each program in Python: wide tiles, few programs
+            config = replace(config, block_n=max(config.block_n, 128))
+    config = _fit_packed_tiles(config, pools)
     hidden = hidden.contiguous()
     sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), config.block_m)
     h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)
