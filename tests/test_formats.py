@@ -210,8 +210,8 @@ def _bf16_copy(source, target):
 
 def test_prepare_output_is_what_the_runtime_reads_whatever_the_storage_dtype(tiny_checkpoints, tmp_path):
     """`prepare --dtype bfloat16` of a bf16 checkpoint writes the file a float32 CPU runtime reads."""
-    from moetide.models.loader import load_model
-    from moetide.store.prepare import prepare
+    from moetide.engine.assemble import load_model
+    from moetide.models.prepare import prepare
 
     path, cache = tmp_path / "ckpt", tmp_path / "cache"
     _bf16_copy(tiny_checkpoints["qwen3_moe"][0], path)
@@ -299,7 +299,7 @@ def test_importance_weights_lower_the_error_where_they_say_it_counts():
 
 
 def test_quantization_progress_is_one_line_off_a_terminal(tiny_checkpoints, tmp_path, capsys):
-    from moetide.store.prepare import prepare
+    from moetide.models.prepare import prepare
 
     path = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoints["olmoe"][0], path)
@@ -330,7 +330,7 @@ def test_hot_slots_are_split_over_the_layers_without_leaving_any_empty():
 
 
 def test_promotion_gain_is_the_error_a_promotion_removes(qwen3_checkpoint):
-    from moetide.models.loader import load_model
+    from moetide.engine.assemble import load_model
 
     store = load_model(qwen3_checkpoint, device="cpu", progress=False).store
     for precision in ("int4", "int2"):

@@ -116,7 +116,7 @@ def dense_format(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -
 
 def matrix_bits(meta, name: str) -> int:
     """Bit width of projection `name` ("gate_up" | "down") of a lo layout (per-tensor precision)."""
-    return int(getattr(meta, f"bits_{name}", meta.bits))
+    return int(meta.bits_of(name))
 
 
 def packed_format(meta, dtype: torch.dtype) -> PoolFormat:
