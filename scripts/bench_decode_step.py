@@ -14,7 +14,6 @@ after the prefill (a warm-up of the same shape runs first, untimed). Each moetid
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 import moetide
+from moetide.bench.runs import free_device, timed_hf_generate
 from moetide.bench.synthetic import write_synthetic_checkpoint
 from moetide.policies.registry import policy_spec
 
@@ -30,13 +30,6 @@ from moetide.policies.registry import policy_spec
 def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
-
-
-def free() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
 
 
 def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
@@ -60,7 +53,7 @@ def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
 
 
 def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, compile_mode="off") -> list[dict]:
-    free()
+    free_device()
     t0 = time.perf_counter()
     llm = moetide.LLM(str(path), policy=policy, gpu_memory=budget, max_num_seqs=max(batch_sizes),
                       max_model_len=max(prefill_len + 8, 256), compile=compile_mode)  # fmt: skip
@@ -94,29 +87,19 @@ def bench_hf_static(path, batch_sizes, new_tokens) -> list[dict]:
     """transformers' generate, whole model on the GPU, `cache_implementation="static"`."""
     from transformers import AutoModelForCausalLM
 
-    free()
+    free_device()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda").eval()
     rows = []
     for b in batch_sizes:
         ids = torch.tensor(prompts(model.config.vocab_size, b, 32, seed=100 + b), device="cuda")
-        gen = dict(do_sample=False, eos_token_id=None, pad_token_id=2, cache_implementation="static")
-        try:
-            with torch.inference_mode():
-                for n in (new_tokens, new_tokens):  # warm-up twice: compile, then the steady state
-                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                model.generate(ids, max_new_tokens=1, **gen)
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
+        try:  # warm-up twice: compile, then the steady state
+            ttft, total = timed_hf_generate(model, ids, new_tokens, warmup_tokens=(new_tokens, new_tokens),
+                                            cache_implementation="static")  # fmt: skip
         except Exception as e:  # one baseline failing must not lose the rest
             rows.append({"engine": "hf-static", "batch": b, "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)
             continue
-        decode_s = (t2 - t1) - (t1 - t0)
+        decode_s = total - ttft
         rows.append({"engine": "hf-static", "batch": b, "decode_tok_s": b * (new_tokens - 1) / decode_s,
                      "peak_gpu_bytes": torch.cuda.max_memory_allocated()})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)

@@ -503,20 +503,9 @@ def bench_hf(
     load_s = time.perf_counter() - start
     vocab = model.config.vocab_size
     ids = torch.tensor([prompt_ids(vocab, prompt_len, seed=1)], device="cuda")
-    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=2)
-    with torch.inference_mode():
-        # warm-up as long as the timed run (see bench_moetide); hf-offload (~1 s/token) keeps it short
-        model.generate(ids, max_new_tokens=2 if offload_budget else new_tokens, **gen)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **gen)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-    ttft = t1 - t0
-    tpot = ((t2 - t1) - ttft) / (new_tokens - 1)
+    # warm-up as long as the timed run (see bench_moetide); hf-offload (~1 s/token) keeps it short
+    ttft, total = timed_hf_generate(model, ids, new_tokens, warmup_tokens=(2 if offload_budget else new_tokens,))
+    tpot = (total - ttft) / (new_tokens - 1)
     result = {
         "engine": "hf-offload" if offload_budget else "hf",
         "gpu_memory": offload_budget,
@@ -531,3 +520,20 @@ def bench_hf(
     del model
     free_device()
     return result
+
+
+def timed_hf_generate(model, ids: torch.Tensor, new_tokens: int, *, warmup_tokens=(), **gen) -> tuple[float, float]:
+    """transformers' `generate` on `ids (B, S)` (CUDA), after untimed runs of `warmup_tokens` new
+    tokens each: (seconds of a one-token run, i.e. TTFT; seconds of a `new_tokens` run)."""
+    gen = {"do_sample": False, "eos_token_id": None, "pad_token_id": 2, **gen}
+    with torch.inference_mode():
+        for n in warmup_tokens:
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **gen)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
+        torch.cuda.synchronize()
+        return t1 - t0, time.perf_counter() - t1
