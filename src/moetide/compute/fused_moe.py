@@ -266,7 +266,8 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pair, block_expert
 
 
-def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, k: int, config, **args):
+def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, config, **args):
+    """One launch of `kernel` over `pool`'s rows for one projection (`matrix`), its tiles from `config`."""
     data = pool.data_view(matrix)
     params = pool.param_view()
     block_k = config.block_k if not matrix.packed else min(config.block_k, matrix.group_size)
@@ -348,8 +349,8 @@ def fused_moe(
             continue
         f = pool.format
         _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
-                       f.gate_up, hidden_size, config, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
+                       f.gate_up, config, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
                        TOP_K=top_k, **common)  # fmt: skip
         _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
-                       f.down, inter, config, h_ptr=h, y_ptr=y, routing_ptr=routing, **common)  # fmt: skip
+                       f.down, config, h_ptr=h, y_ptr=y, routing_ptr=routing, **common)  # fmt: skip
     return y.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
