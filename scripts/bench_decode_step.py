@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Decode tok/s at batch 1 and 32 and 2k-token prefill TTFT of moetide's static policies, against
-transformers' `generate` with a static cache (compiled step), all in one process on one checkpoint
-(the OLMoE-1B-7B shape with random weights, written as a real safetensors checkpoint).
+"""Decode tok/s at batch 1 and 32 and 2k-token prefill TTFT of moetide's policies, against
+transformers' `generate` with the whole model on the GPU (its default cache, and a static cache:
+a compiled step), all in one process on one checkpoint (a model shape with random weights, written
+as a real safetensors checkpoint).
 
     python scripts/bench_decode_step.py --out out/decode_step.json [--batch-sizes 1,32] \
-        [--policies no-offload,static-int4,static-int2] [--budget 4GiB] [--skip-hf]
+        [--policies no-offload,static-int4,static-int2,combined,lru] [--budget 4GiB] [--hf default,static]
 
 Decode tok/s of a batch = generated tokens after each sequence's first / wall time of the steps
 after the prefill (a warm-up of the same shape runs first, untimed). Each moetide run also reports
@@ -33,23 +34,29 @@ def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
 
 
 def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
-    """One engine run of `batch`, stepping it by hand: (prefill seconds, decode tok/s)."""
+    """One engine run of `batch`, stepping it by hand: (prefill seconds, decode tok/s). The decode
+    clock starts after the first decode step (where a CUDA graph is captured when the KV
+    reservation cannot keep the last one beside a new batch): steady-state steps only."""
     engine = llm.engine
     params = moetide.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(ids, params) for ids in batch]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    decode_start, tokens_at_start = None, 0
+    decode_start, tokens_at_start, prefill_s = None, 0, None
     while engine.has_unfinished():
         engine.step()
-        if decode_start is None and all(s.output_ids for s in seqs):
+        if prefill_s is None and all(s.output_ids for s in seqs):
+            torch.cuda.synchronize()
+            prefill_s = time.perf_counter() - t0
+            continue
+        if decode_start is None and prefill_s is not None:
             torch.cuda.synchronize()
             decode_start = time.perf_counter()
             tokens_at_start = sum(len(s.output_ids) for s in seqs)
     torch.cuda.synchronize()
     end = time.perf_counter()
     decoded = sum(len(s.output_ids) for s in seqs) - tokens_at_start
-    return {"prefill_s": decode_start - t0, "decode_tok_s": decoded / (end - decode_start)}
+    return {"prefill_s": prefill_s, "decode_tok_s": decoded / (end - decode_start)}
 
 
 def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, compile_mode="off") -> list[dict]:
@@ -65,8 +72,14 @@ def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, co
         llm.metrics.reset()
         r = timed_generate(llm, prompts(vocab, b, 32, seed=100 + b), new_tokens)
         graphs = llm.engine.runner.graph_stats()
+        snap = llm.metrics.snapshot()
+        residency = {k: snap[k] for k in ("hit_rate", "hits", "lo_runs", "misses", "copies", "bytes_h2d",
+                                          "promotions", "steps", "step_host_s")}  # fmt: skip
+        options = getattr(llm.loaded.runtime.residency, "options", None)
+        residency["lo"] = getattr(options, "lo_precision", None)
         rows.append({"engine": "moetide", "policy": policy, "gpu_memory": budget, "batch": b, "load_s": load_s,
-                     "compile": compile_mode, "host_syncs": llm.metrics.host_syncs, **r, "graphs": graphs})  # fmt: skip
+                     "compile": compile_mode, "host_syncs": llm.metrics.host_syncs, **r, **residency,
+                     "graphs": graphs})  # fmt: skip
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "graphs"}),
               "graph failure:" if graphs and graphs.get("failed") else "", (graphs or {}).get("failed") or "",
               flush=True)  # fmt: skip
@@ -83,26 +96,30 @@ def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, co
     return rows
 
 
-def bench_hf_static(path, batch_sizes, new_tokens) -> list[dict]:
-    """transformers' generate, whole model on the GPU, `cache_implementation="static"`."""
+def bench_hf(path, batch_sizes, new_tokens, modes=("static",)) -> list[dict]:
+    """transformers' generate, whole model on the GPU: its default cache ("default": engine "hf")
+    and `cache_implementation="static"` ("static": engine "hf-static", a compiled step)."""
     from transformers import AutoModelForCausalLM
 
     free_device()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda").eval()
     rows = []
-    for b in batch_sizes:
-        ids = torch.tensor(prompts(model.config.vocab_size, b, 32, seed=100 + b), device="cuda")
-        try:  # warm-up twice: compile, then the steady state
-            ttft, total = timed_hf_generate(model, ids, new_tokens, warmup_tokens=(new_tokens, new_tokens),
-                                            cache_implementation="static")  # fmt: skip
-        except Exception as e:  # one baseline failing must not lose the rest
-            rows.append({"engine": "hf-static", "batch": b, "error": f"{type(e).__name__}: {e}"[:300]})
-            print(rows[-1], flush=True)
-            continue
-        decode_s = total - ttft
-        rows.append({"engine": "hf-static", "batch": b, "decode_tok_s": b * (new_tokens - 1) / decode_s,
-                     "peak_gpu_bytes": torch.cuda.max_memory_allocated()})  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+    for mode in modes:
+        engine = "hf-static" if mode == "static" else "hf"
+        extra = {"cache_implementation": "static"} if mode == "static" else {}
+        for b in batch_sizes:
+            ids = torch.tensor(prompts(model.config.vocab_size, b, 32, seed=100 + b), device="cuda")
+            try:  # warm-up twice: compile, then the steady state
+                ttft, total = timed_hf_generate(model, ids, new_tokens, warmup_tokens=(new_tokens, new_tokens),
+                                                **extra)  # fmt: skip
+            except Exception as e:  # one baseline failing must not lose the rest
+                rows.append({"engine": engine, "batch": b, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(rows[-1], flush=True)
+                continue
+            decode_s = total - ttft
+            rows.append({"engine": engine, "batch": b, "decode_tok_s": b * (new_tokens - 1) / decode_s,
+                         "peak_gpu_bytes": torch.cuda.max_memory_allocated()})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
     del model
     return rows
 
@@ -118,6 +135,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the TTFT run (0: none)")
     ap.add_argument("--compile", default="off", help="comma-separated of auto,off: each policy once per setting")
+    ap.add_argument("--hf", default="static", help="comma-separated transformers baselines: default,static")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     ckpt = Path(args.checkpoint) / args.shape
@@ -142,7 +160,7 @@ def main() -> int:
                 print(report["runs"][-1], flush=True)
             out.write_text(json.dumps(report, indent=1))
     if not args.skip_hf:
-        report["runs"] += bench_hf_static(ckpt, batch_sizes, args.new_tokens)
+        report["runs"] += bench_hf(ckpt, batch_sizes, args.new_tokens, args.hf.split(","))
     out.write_text(json.dumps(report, indent=1))
     return 0
 

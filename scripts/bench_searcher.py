@@ -78,8 +78,6 @@ def activate(llm, conditions: dict, name: str) -> None:
     for hooks in conditions.values():
         if hooks is not None:
             hooks.enabled = hooks is active
-    runtime = llm.loaded.runtime
-    runtime.on_host_ids = (active or llm.loaded.policy_hooks)._on_host_ids
 
 
 def paired_share(a: list[float], b: list[float], base: list[float] | None = None) -> dict:

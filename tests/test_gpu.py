@@ -62,6 +62,37 @@ def test_policies_on_cuda_match_transformers_bf16(tiny_checkpoints, policy, budg
     llm.close()
 
 
+@pytest.mark.parametrize("policy", ["on-demand", "lru", "finemoe", "moe-infinity", "combined", "dynaexq"])
+def test_sync_free_policies_on_cuda_replay_graphs_and_match_the_stall_path(tiny_checkpoints, policy):
+    """Every dynamic policy on CUDA with its default --on-miss (zero-copy reads of pinned host memory
+    for the hi caches, lo for combined/dynaexq): no host sync in the whole generate, decode steps
+    replayed as CUDA graphs, and for the hi caches the same greedy tokens as --on-miss stall (both
+    read the checkpoint's bf16 weights, one from host memory, the other from a device slot)."""
+    path, _ = tiny_checkpoints["qwen2_moe"]
+    keeps_lo = policy in ("combined", "dynaexq")
+    roomy = moetide.LLM(path, device="cuda", dtype="bfloat16", policy=policy if keeps_lo else "on-demand",
+                        gpu_memory="64MiB")  # fmt: skip
+    plan = roomy.loaded.runtime.residency.plan
+    roomy.close()
+    tight = plan.fixed.total + 5 * plan.hi_slot_bytes  # 5 of 16 hi experts fit: misses and evictions
+    if keeps_lo:
+        tight = plan.fixed.total + plan.lo_slots * plan.lo_slot_bytes + 4 * plan.hi_slot_bytes
+    params = moetide.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    runs = {}
+    for on_miss in ("auto", "stall"):
+        llm = moetide.LLM(path, device="cuda", dtype="bfloat16", policy=policy, gpu_memory=tight,
+                          on_miss=on_miss, searcher="thread")  # fmt: skip
+        tokens = [o.token_ids for o in llm.generate([[5, 6, 7, 8], [9, 10, 11]], params)]
+        runs[on_miss] = (tokens, llm.metrics.host_syncs, llm.engine.runner.graph_stats(), llm.metrics.misses)
+        llm.close()
+    tokens, syncs, graphs, misses = runs["auto"]
+    assert syncs == 0 and graphs["replays"] > 0 and graphs["failed"] is None, graphs
+    assert runs["stall"][1] > 0 and runs["stall"][2]["replays"] == 0
+    if not keeps_lo:
+        assert misses > 0  # some experts were read zero-copy
+        assert tokens == runs["stall"][0]
+
+
 def test_no_offload_greedy_equals_transformers_generate_bf16(tiny_checkpoints):
     path, reference = tiny_checkpoints["qwen3_moe"]
     ref = copy.deepcopy(reference).to("cuda", torch.bfloat16)

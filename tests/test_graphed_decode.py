@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moetide
+from moetide import SamplingParams
 from moetide.engine.graphed_decode import GraphedDecoder
 from moetide.engine.runner import ENGINE_SDPA_BACKENDS
 
@@ -106,8 +107,23 @@ def test_continuous_batching_from_fixed_buffers_gives_the_same_tokens():
     assert graphs.entries >= 3
 
 
-def test_policies_with_host_decisions_and_observers_are_never_run_from_fixed_buffers():
-    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="0.5GiB")
+def test_dynamic_policies_decode_from_fixed_buffers_and_stall_never_does():
+    """Every policy whose misses run lo or zero-copy reads the device table: its steps are sync-free
+    and run from fixed buffers (the observers write device buffers, read a step later), with the
+    same tokens as the dynamic path (hi-cache experts are the checkpoint's weights, wherever they
+    are read from); --on-miss stall resolves experts on the host and never does."""
+    llm = moetide.LLM(device="cpu", policy="finemoe", gpu_memory="0.5GiB", searcher="thread")
+    try:
+        assert llm.loaded.runtime.decode_is_sync_free(1)
+        want = _generate(llm, None)
+        graphs = _decoder(llm, capture=False, column_bucket=16)
+        got = _generate(llm, graphs)
+        assert got == want
+        assert graphs.entries >= 1
+        assert llm.metrics.host_syncs == 0
+    finally:
+        llm.close()
+    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="0.5GiB", on_miss="stall")
     try:
         assert not llm.loaded.runtime.decode_is_sync_free(1)
     finally:
@@ -253,15 +269,28 @@ def test_every_family_decodes_from_fixed_buffers_as_from_the_dynamic_cache(tiny_
     assert graphs.entries >= 3
 
 
-def test_a_predictive_policy_with_nothing_to_offload_is_not_attached_and_observers_block_capture():
+def test_a_predictive_policy_with_nothing_to_offload_is_not_attached_and_observers_keep_capture():
     """No cap and every expert in hi ("all-hi", what an uncapped GPU run of a model that fits gets):
-    FineMoE/DynaExq have nothing to decide, so no hooks are attached and the steps stay capturable.
-    An observer that wants each layer's ids on the host (PolicyHooks with the runtime) makes them
-    not capturable."""
+    FineMoE/DynaExq have nothing to decide, so no hooks are attached. An observer (PolicyHooks with
+    the runtime) writes device buffers only, so the steps stay capturable, and it still sees every
+    step, one step late: each iteration once, in order, every layer with its (T, k) ids."""
     from dataclasses import replace
 
     from moetide.engine.llm import attach_policy
+    from moetide.policies.base import PolicyBase
     from moetide.policies.hooks import PolicyHooks
+
+    class Recorder(PolicyBase):
+        def __init__(self):
+            self.seen = []
+
+        def begin_iteration(self, iteration, embedding, num_tokens, request_ids=()):
+            self.seen.append([iteration, num_tokens, 0])
+
+        def observe_layer(self, iteration, layer, gate_probs, topk_ids):
+            assert self.seen[-1][0] == iteration and topk_ids.shape == (self.seen[-1][1], self.top_k)
+            assert abs(float(gate_probs.sum()) - 1.0) < 1e-4
+            self.seen[-1][2] += 1
 
     llm = moetide.LLM(device="cpu", policy="no-offload", gpu_memory="1GiB")
     try:
@@ -270,11 +299,16 @@ def test_a_predictive_policy_with_nothing_to_offload_is_not_attached_and_observe
         attach_policy(replace(llm.config, policy="combined"), loaded)
         assert loaded.policy is None and loaded.policy_hooks is None
         assert loaded.runtime.decode_is_sync_free(1)
-        hooks = PolicyHooks(loaded.model, loaded.adapter, [], runtime=loaded.runtime)
+        recorder = Recorder()
+        hooks = PolicyHooks(loaded.model, loaded.adapter, [recorder], runtime=loaded.runtime)
         try:
-            assert not loaded.runtime.decode_is_sync_free(1)
+            assert loaded.runtime.decode_is_sync_free(1)
+            first = loaded.runtime.iteration + 1
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         finally:
             hooks.remove()
+        layers = len(loaded.moe_layers)
+        assert recorder.seen == [[first, 3, layers]] + [[first + i, 1, layers] for i in range(1, 6)]
         assert loaded.runtime.decode_is_sync_free(1)
     finally:
         llm.close()

@@ -12,7 +12,7 @@ import re
 import sys
 import time
 
-from .config import COMPILE_MODES, CUDA_GRAPHS, LO_KERNELS, POLICIES, SEARCHERS, EngineConfig, format_bytes
+from .config import COMPILE_MODES, CUDA_GRAPHS, LO_KERNELS, ON_MISS, POLICIES, SEARCHERS, EngineConfig, format_bytes
 from .errors import ConfigError, MoetideError
 from .store.formats import LOW_BIT_FORMATS
 
@@ -83,9 +83,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     )
     p.add_argument(
         "--on-miss",
-        default="lo",
-        choices=["stall", "lo"],
-        help="on a miss: run a resident lo version, or stall for hi",
+        default="auto",
+        choices=list(ON_MISS),
+        help="an expert with no device version: run its resident lo version (lo), read it from pinned"
+        " host memory in the kernel (zero-copy), or copy it and wait (stall: a host sync per layer);"
+        " auto: lo where the policy keeps lo versions resident, else zero-copy",
     )
     p.add_argument("--prefetch-distance", type=int, default=2, help="FineMoE prefetch distance d (layers)")
     p.add_argument(

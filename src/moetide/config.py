@@ -59,6 +59,7 @@ def format_bytes(n: float) -> str:
 
 
 CUDA_GRAPHS = ("auto", "off")
+ON_MISS = ("auto", "lo", "zero-copy", "stall")  # see EngineConfig.on_miss
 COMPILE_MODES = ("auto", "off")  # torch.compile of the captured decode step (engine/graphed_decode.py)
 SEARCHERS = ("process", "thread")  # where FineMoE's searcher runs (policies/finemoe.py)
 
@@ -76,7 +77,10 @@ class EngineConfig:
         lo_precision: the low precision kept for "lo" versions (a low-bit name of `store.formats.FORMATS`:
             "int4", "int2+4", "int2", or "auto": int4 when all experts fit in int4 with room left for
             a hi cache, else int2).
-        on_miss: "stall" (load the hi version) or "lo" (run a resident lo version instead).
+        on_miss: what a step does with an expert that has no device version: "auto" (default: "lo"
+            where every lo version is resident — combined, dynaexq — else "zero-copy"), "lo" (run the
+            resident lo version), "zero-copy" (the kernel reads the hi version from pinned host
+            memory), "stall" (copy it and wait: a host sync in every MoE layer).
         prefetch_distance: FineMoE's d, in layers.
         max_num_seqs: sequences decoded together at most.
         max_model_len: context length cap (prompt + output), in tokens; None = model's limit.
@@ -117,7 +121,7 @@ class EngineConfig:
     gpu_memory_bytes: int | None = None
     policy: str = "combined"
     lo_precision: str = "auto"
-    on_miss: str = "lo"
+    on_miss: str = "auto"
     prefetch_distance: int = 2
     max_num_seqs: int = 32
     max_model_len: int | None = None
@@ -150,8 +154,8 @@ class EngineConfig:
             raise ConfigError(
                 f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}"
             )
-        if self.on_miss not in ("stall", "lo"):
-            raise ConfigError(f"--on-miss must be 'stall' or 'lo', got {self.on_miss!r}")
+        if self.on_miss not in ON_MISS:
+            raise ConfigError(f"--on-miss must be one of {', '.join(ON_MISS)}, got {self.on_miss!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.prefetch_distance < 1:

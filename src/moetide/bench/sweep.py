@@ -131,10 +131,10 @@ class BenchSpec:
             raise ConfigError("give --model or --synthetic, not both")
         for name in self.policies:
             policy, on_miss = split_policy(name)
-            if policy not in POLICIES or on_miss not in (None, "lo", "stall"):
+            if policy not in POLICIES or on_miss not in (None, "lo", "zero-copy", "stall"):
                 raise ConfigError(
                     f"unknown policy {name!r}; choose from {', '.join(POLICIES)}, optionally with"
-                    " ':lo' or ':stall' (its --on-miss), e.g. combined:lo"
+                    " ':lo', ':zero-copy' or ':stall' (its --on-miss), e.g. lru:stall"
                 )
 
 

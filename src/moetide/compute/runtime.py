@@ -3,21 +3,27 @@
 `ManagedExperts` replaces `block.experts` on each MoE block instance. transformers' own block still
 runs the router and the shared experts; moetide computes the routed experts in one path:
 
-    table    the layer's device slot table: expert -> (pool, slot), see `slot_table`
-             (fixed for good: the residency's static table; otherwise the host resolves the
-             step's experts through `residency.acquire` and writes a table for this step)
+    table    the layer's device slot table: expert -> (pool, slot), see `slot_table`: the
+             residency's device table (`residency.step_table`), fixed for good (no-offload,
+             static-int4/int2) or written between steps (every other policy, with misses run
+             from lo or read zero-copy from host memory); only `--on-miss stall` resolves the
+             step's experts on the host (`residency.acquire`, one sync per layer)
     compute  `fused_moe.fused_moe` (Triton, on CUDA) or `expert_compute.reference_moe` (PyTorch,
              per expert: the CPU path and the tests' reference) over that table
     combine  inside the kernel (routing weights) and one reduce over each token's k pairs
 
-A forward hook on the embedding layer starts each iteration; policies observe the routers through
-`policies.hooks.PolicyHooks` (forward hooks too: no class patching).
+Steps: the engine's runner brackets every forward with `begin_step` / `end_step` (the residency
+applies its decisions and writes the table in between; a forward run outside the engine opens and
+closes its own step from the embedding and decoder hooks). Each layer writes its routing into the
+step's device buffers (`observations.StepObservations`); they reach the host one step later, where
+the residency accounts the step and the policies (`policies.hooks.PolicyHooks`) observe it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +32,7 @@ from torch import nn
 from ..config import LO_KERNELS
 from ..errors import ConfigError
 from .expert_compute import ActFn, reference_moe
+from .observations import StepObservations, StepRecord
 from ..residency.slot_table import NOT_RESIDENT
 
 
@@ -60,9 +67,12 @@ class ExpertRuntime:
         self.top_k = top_k
         self.iteration = 0
         self.fused = None  # the fused Triton module (`compute.fused_moe`) when it computes the experts
-        # called as on_host_ids(layer, ids (T, k) on the host) after the layer's host sync (PolicyHooks)
-        self.on_host_ids = None
-
+        self.observations: StepObservations | None = None  # set by `engine.assemble`
+        self.observing = False  # a policy reads the steps: PolicyHooks records every layer's routing
+        self.step_observers: list = []  # observer(StepRecord), called one step late (PolicyHooks)
+        self.step_tags: tuple = ()  # request ids of the next step (tools that replay requests set it)
+        self._in_step = False
+        self._auto_step = False
     def set_lo_kernel(self, kind: str, device: torch.device) -> None:
         """How the experts are computed: "triton" (the fused kernel over the slot table), "dequant"
         (the per-expert PyTorch reference: dequantize, then matmul) or "auto" (triton on CUDA where
@@ -85,36 +95,93 @@ class ExpertRuntime:
 
     def decode_is_sync_free(self, num_tokens: int) -> bool:
         """Whether `run_layer` computes a `num_tokens`-token step with no host sync (and no host-side
-        decision), so that the step can be captured as a CUDA graph: the residency's slot table is
-        fixed for good and the fused kernel computes the experts (or the device is the CPU, where
-        the reference path's host reads cost nothing); and no observer waits for each
-        layer's ids on the host (`on_host_ids`: a replay would skip it)."""
-        if self.residency is None or self.on_host_ids is not None:
+        decision), so that the step can be captured as a CUDA graph: every layer reads the
+        residency's device table (static, or written between steps) and the fused kernel computes
+        the experts (or the device is the CPU, where the reference path's host reads cost nothing).
+        Observers read the step's device buffers one step later, so they do not stand in the way."""
+        if self.residency is None:
             return False
-        table = self.residency.static_table(0)
+        table = self.residency.step_table(0)
         # the reference path reads the used ids on the host: a sync on CUDA, free on the CPU
         return table is not None and (self.fused is not None or table[0].device.type == "cpu")
 
-    def on_embedding(self, embeds: torch.Tensor) -> None:
-        """Embedding-layer output starts a new iteration (policies observe through `PolicyHooks`)."""
+    # -- steps ----------------------------------------------------------------------------------------
+    def _accounts(self) -> bool:
+        """The residency accounts each step's uses from its observations (a table written between
+        steps); a static table needs no accounting beyond the CPU's free count."""
+        return getattr(self.residency, "table_mode", False) and self.residency.static_table(0) is None
+
+    def begin_step(self, *, auto: bool = False) -> None:
+        """Before a forward: the residency applies the policies' requests and writes the table this
+        step reads (no-op inside a step). `auto`: opened by the embedding hook (a forward run outside
+        the engine's runner); the decoder hook closes it."""
+        if self._in_step:
+            return
+        t0 = time.perf_counter()
+        self._in_step, self._auto_step = True, auto
         self.iteration += 1
-        self.residency.begin_iteration(self.iteration)
+        self.metrics.steps += 1
+        if hasattr(self.residency, "begin_step"):
+            self.residency.begin_step(self.iteration)
+        else:
+            self.residency.begin_iteration(self.iteration)
+        if self.observations is not None:
+            table = self.residency.table_snapshot() if self._accounts() else None
+            self.observations.begin_step(self.iteration, (table, self.step_tags))
+        self.metrics.step_host_s += time.perf_counter() - t0
+
+    def end_step(self) -> None:
+        """After a forward has been issued: mark the end of its reads, queue its observations' copy
+        to the host, and publish the earlier steps whose copies have landed."""
+        if not self._in_step:
+            return
+        t0 = time.perf_counter()
+        self._in_step = False
+        if hasattr(self.residency, "end_step"):
+            self.residency.end_step()
+        if self.observations is not None:
+            for record in self.observations.finish_step():
+                self._publish(record)
+        self.metrics.step_host_s += time.perf_counter() - t0
+
+    def flush_observations(self) -> None:
+        """Publish every step still in flight (the end of a run: metrics and policies up to date)."""
+        if self.observations is not None and not self._in_step:
+            for record in self.observations.flush():
+                self._publish(record)
+
+    def _publish(self, record: StepRecord) -> None:
+        table, _tags = record.context
+        if table is not None:
+            self.residency.observe_step(table, record.used(), record.iteration)
+        for observer in self.step_observers:
+            observer(record)
+
+    def on_embedding(self, embeds: torch.Tensor) -> None:
+        """The embedding layer ran: a forward outside the engine's runner opens its own step."""
+        self.begin_step(auto=True)
+
+    def on_forward_done(self) -> None:
+        if self._auto_step:
+            self.end_step()
 
     def run_layer(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """Routed experts of one MoE layer: `hidden (T, H)` -> `(T, H)`."""
-        table = self.residency.static_table(layer)
-        if table is not None:  # every expert has a version at a fixed slot: no host sync at all
-            if hidden.device.type == "cpu":  # counting is free where there is no device to sync with
+        accounts = self._accounts()
+        if self.observations is not None and accounts and not self.observing:
+            self.observations.record_ids(layer, top_k_index)  # device copy, read one step later
+            # (with a policy attached, its router hook records the same ids with the logits)
+        table = self.residency.step_table(layer)
+        if table is not None:  # the device table: no host sync at all
+            if not accounts and hidden.device.type == "cpu":  # a static table; counting is free here
                 used = int(torch.unique(top_k_index).numel())
                 self.metrics.layers[layer].used += used
                 self.metrics.layers[layer].hits += used
             return self._compute(hidden, top_k_index, top_k_weights, *table)
-        ids_cpu = top_k_index.cpu()  # NOTE: host sync (counted): residency must know the experts
+        ids_cpu = top_k_index.cpu()  # NOTE: host sync (counted): --on-miss stall resolves on the host
         self.metrics.host_syncs += 1
-        if self.on_host_ids is not None:
-            self.on_host_ids(layer, ids_cpu)
         out = None
         pending = torch.unique(ids_cpu).tolist()
         while pending:  # more than one wave only when the pools cannot hold all experts at once

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..compute.observations import StepObservations
 from ..compute.runtime import ExpertRuntime, ManagedExperts
 from ..models.loader import LoadedModel, load_weights, moe_blocks
 from ..residency.direct import DirectResidency
@@ -46,11 +47,18 @@ def assemble_runtime(loaded: LoadedModel, residency_factory=None) -> ExpertRunti
         runtime.residency = DirectResidency(store, metrics, loaded.device.type)
     else:
         runtime.residency = residency_factory(store, metrics, loaded.device, loaded.model, config)
+    hidden = loaded.model.get_input_embeddings().embedding_dim
+    runtime.observations = StepObservations(
+        len(loaded.moe_layers), store.num_experts, adapter.top_k(config), hidden, loaded.device
+    )
     _install_hooks(loaded.model, runtime)
     loaded.runtime = runtime
     return runtime
 
 
 def _install_hooks(model: nn.Module, runtime: ExpertRuntime) -> None:
-    """A forward hook (on the instance) on the embedding layer starts each iteration."""
+    """Forward hooks (on the instances) on the embedding layer and the decoder stack: a forward run
+    outside the engine's runner (which brackets its own) opens and closes a step."""
     model.get_input_embeddings().register_forward_hook(lambda _m, _i, out: runtime.on_embedding(out))
+    decoder = getattr(model, "model", model)
+    decoder.register_forward_hook(lambda _m, _i, _out: runtime.on_forward_done())

@@ -84,8 +84,11 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         n_hi = per_layer_hi_slots(int(residency.plan.hi_slots * spec.hi_share), layers, experts)
     # --deterministic: searches inline, DynaExq's updates every DETERMINISTIC_UPDATE_STEPS steps
     timing = {"synchronous": True, "clock": step_clock(), "update_interval_s": DETERMINISTIC_UPDATE_STEPS}
+    from ..residency.core import TABLE_LAG
+
     policy = make_policy(
         config.policy,
+        lookahead=TABLE_LAG,  # the runtime publishes each step one step late (compute/observations.py)
         prefetch_distance=config.prefetch_distance,
         n_hi=n_hi,
         map_store_path=config.extra.get("map_store_path"),
@@ -164,6 +167,7 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
         progress=progress,
     )
     loaded.runtime.set_lo_kernel(config.lo_kernel, device)
+    loaded.runtime.observations.decode_tokens = max(config.max_num_seqs, 1)  # before any step
     attach_policy(config, loaded)
     max_model_len = context_length(config, loaded.config)
     eos = set()
@@ -174,7 +178,9 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
             eos.update(int(x) for x in source)
     kv_tokens = kv_cache_tokens(config, loaded)
     engine = LLMEngine(
-        ModelRunner(loaded.model, loaded.device, graphs=graphed_decoder(config, loaded, kv_tokens)),
+        ModelRunner(
+            loaded.model, loaded.device, graphs=graphed_decoder(config, loaded, kv_tokens), runtime=loaded.runtime
+        ),
         tokenizer,
         eos,
         max_num_seqs=config.max_num_seqs,

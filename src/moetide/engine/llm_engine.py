@@ -193,6 +193,8 @@ class LLMEngine:
                 seq.status = SequenceStatus.RUNNING
             self.running.extend(admitted)
             outputs += self._postprocess(admitted, tokens)
+        if not self.has_unfinished():  # idle: the last steps' observations reach metrics and policies
+            self.runner.flush()
         return outputs
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:

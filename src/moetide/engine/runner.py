@@ -112,12 +112,20 @@ class ModelRunner:
     """Runs transformers' model (with managed experts) for prefill and decode steps."""
 
     def __init__(
-        self, model: nn.Module, device: torch.device, prefill_chunk_tokens: int = 512, graphs=None
+        self,
+        model: nn.Module,
+        device: torch.device,
+        prefill_chunk_tokens: int = 512,
+        graphs=None,
+        runtime=None,
     ):
         self.model = model
         self.device = device
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.graphs = graphs  # a graphed_decode.GraphedDecoder, or None: every step eager
+        # the model's ExpertRuntime: each forward is one step of it (the residency writes its table
+        # before, the step's observations go to the host after); None for a plain model
+        self.runtime = runtime
 
     def graph_stats(self) -> dict | None:
         """What the CUDA-graph decoder did, or None when there is none."""
@@ -132,8 +140,26 @@ class ModelRunner:
 
         return DynamicCache(config=self.model.config)
 
-    @torch.inference_mode()
+    def _in_step(self, forward, *args):
+        """`forward(*args)` as one step of the runtime (between `begin_step` and `end_step`)."""
+        if self.runtime is None:
+            return forward(*args)
+        self.runtime.begin_step()
+        try:
+            return forward(*args)
+        finally:
+            self.runtime.end_step()
+
+    def flush(self) -> None:
+        """Publish the observations of the steps still in flight (the engine has gone idle)."""
+        if self.runtime is not None:
+            self.runtime.flush_observations()
+
     def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
+        return self._in_step(self._forward_now, input_ids, mask, positions, cache)
+
+    @torch.inference_mode()
+    def _forward_now(self, input_ids, mask, positions, cache) -> torch.Tensor:
         with sdpa_kernel(ENGINE_SDPA_BACKENDS):
             out = self.model(
                 input_ids=input_ids,
@@ -171,6 +197,9 @@ class ModelRunner:
     def decode(self, batch: BatchKVCache, last_tokens: torch.Tensor) -> torch.Tensor:
         """One token for every row: `last_tokens (B,)` -> logits `(B, V)`; grows the cache by one.
         Replayed from a CUDA graph where `graphs` can (graphed_decode), else eager."""
+        return self._in_step(self._decode_now, batch, last_tokens)
+
+    def _decode_now(self, batch: BatchKVCache, last_tokens: torch.Tensor) -> torch.Tensor:
         if self.graphs is not None:
             logits = self.graphs.decode(batch, last_tokens)
             if logits is not None:
@@ -178,6 +207,6 @@ class ModelRunner:
         batch.ensure_dynamic()
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.batch_size, 1)], dim=1)
         positions = batch.lengths.unsqueeze(1)
-        logits = self._forward(last_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
+        logits = self._forward_now(last_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
         batch.lengths = batch.lengths + 1
         return logits

@@ -323,6 +323,7 @@ def _calibrate(loaded, tokenizer, spec: EvalSpec, calibration, residency) -> dic
         device=loaded.device,
         batch_size=spec.batch_size,
     )
+    loaded.runtime.flush_observations()  # steps reach the policy one step late: the last one too
     scheduler.update()
     residency.settle()
     if spec.adapt:

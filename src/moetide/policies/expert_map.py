@@ -80,6 +80,10 @@ class ExpertMapStore:
         self._maps = torch.zeros(capacity, L * J)  # flattened (L, J) rows: prefixes are column slices
         self._unit_maps = torch.zeros(capacity, L * J)
         self._prefix_norms = torch.zeros(capacity, L)  # ||P_1..l|| for l = 1..L
+        # the map of a later iteration of the same stream, `lookahead` steps on (FineMoEConfig), for
+        # predicting from a finished step the step the residency can still act on
+        self._ahead = torch.zeros(capacity, L * J)
+        self._has_ahead = torch.zeros(capacity, dtype=torch.bool)
         self._size = 0
         self._lock = threading.RLock()
         self.inserts = 0
@@ -123,7 +127,37 @@ class ExpertMapStore:
             self.inserts += 1
             return row
 
+    def set_ahead(self, row: int, gate_probs: torch.Tensor) -> None:
+        """`gate_probs (L, J)`: the map that followed row `row`'s iteration, some steps later."""
+        with self._lock:
+            self._ahead[row] = gate_probs.detach().float().reshape(-1)
+            self._has_ahead[row] = True
+
+    def lookahead_search_np(self, embedding: np.ndarray, full_map: np.ndarray) -> tuple[float, int] | None:
+        """The stored iteration most like a finished one, among those whose later map is known:
+        `d/L * score_sem + (L - d)/L * score_traj` over the whole map (RDY's blend), as
+        (score, row); None when no row has a later map. `embedding (H,)`, `full_map (L, J)`."""
+        e = embedding.reshape(-1).astype(np.float32)
+        q = full_map.reshape(-1).astype(np.float32)
+        e, q = e / max(float(np.linalg.norm(e)), _EPS), q / max(float(np.linalg.norm(q)), _EPS)
+        d, L = self.prefetch_distance, self.num_layers
+        with self._lock:
+            n = self._size
+            has = self._has_ahead.numpy()[:n]
+            if not has.any():
+                return None
+            scores = d / L * (self._unit_embeddings.numpy()[:n] @ e) + (L - d) / L * (self._unit_maps.numpy()[:n] @ q)
+            scores = np.where(has, scores, -np.inf)
+        row = int(np.argmax(scores))
+        return float(scores[row]), row
+
+    def ahead_np(self, row: int) -> np.ndarray:
+        """The later map of row `row`: (L, J) float32 numpy (a copy)."""
+        with self._lock:
+            return self._ahead.numpy()[row].reshape(self.num_layers, self.num_experts).copy()
+
     def _write(self, row: int, e: torch.Tensor, m: torch.Tensor) -> None:
+        self._has_ahead[row] = False  # a replaced row's later map belonged to the old entry
         flat = m.reshape(-1)
         self._embeddings[row] = e
         self._unit_embeddings[row] = _normalize(e)
@@ -131,10 +165,16 @@ class ExpertMapStore:
         self._unit_maps[row] = _normalize(flat)
         self._prefix_norms[row] = torch.cumsum(m.square().sum(-1), 0).sqrt()
 
-    def add_trace(self, trace) -> int:
-        """Insert every step of a `Trace` in order (warm-up). Returns the number of inserts."""
+    def add_trace(self, trace, lookahead: int = 0) -> int:
+        """Insert every step of a `Trace` in order (warm-up); with `lookahead`, each step's map is also
+        the later map of the step `lookahead` earlier in the same request. Returns the inserts."""
+        rows: list[int] = []
+        rids = trace.request_ids.tolist()
         for s in range(len(trace)):
-            self.add(trace.embeddings[s], trace.gate_probs[s])
+            rows.append(self.add(trace.embeddings[s], trace.gate_probs[s]))
+            back = s - lookahead
+            if lookahead and back >= 0 and rids[back] == rids[s] and rows[back] not in rows[back + 1 :]:
+                self.set_ahead(rows[back], trace.gate_probs[s])
         return len(trace)
 
     # -- searches -----------------------------------------------------------------------------------
@@ -226,6 +266,8 @@ class ExpertMapStore:
                 ),
                 "embeddings": self._embeddings[:n].numpy().copy(),
                 "maps": self._maps[:n].numpy().copy(),
+                "ahead": self._ahead[:n].numpy().copy(),
+                "has_ahead": self._has_ahead[:n].numpy().copy(),
                 "inserts": self.inserts,
                 "replacements": self.replacements,
             }
@@ -237,6 +279,8 @@ class ExpertMapStore:
         store = cls(capacity, L, J, H, d)
         for e, m in zip(state["embeddings"], state["maps"], strict=True):
             store.add(torch.from_numpy(e), torch.from_numpy(m).view(L, J))
+        for row in np.nonzero(state.get("has_ahead", np.zeros(0, dtype=bool)))[0]:
+            store.set_ahead(int(row), torch.from_numpy(state["ahead"][row]))
         store.inserts, store.replacements = state["inserts"], state["replacements"]
         return store
 

@@ -70,6 +70,13 @@ class FineMoEConfig:
     synchronous: run the searcher inline (simulation, tests), whatever `searcher` says.
     max_queue: events beyond this backlog are dropped (the forward pass never waits).
     preferred_eviction: eviction rule the simulator uses for this policy ("prob-freq": FineMoE's).
+    lookahead: 0 = predict within the running step (semantic search for layers 0..d-1, trajectory
+        search at each layer for layer l+d: the paper's mechanism, for callers that let a step wait
+        on its layers). n > 0 = the engine's sync-free steps, where a step's observations reach the
+        policy after it ran and a decision reaches the device table n steps after the observed one:
+        when a step ends, its whole map (and embedding) is matched against the stored iterations
+        whose map n steps later is known (RDY's blend of semantic and trajectory scores), and that
+        later map drives the prefetch of every layer for the step n on.
     """
 
     prefetch_distance: int = 2
@@ -83,6 +90,7 @@ class FineMoEConfig:
     synchronous: bool = False
     max_queue: int = 10_000
     preferred_eviction: str = "prob-freq"
+    lookahead: int = 0
 
     def __post_init__(self) -> None:
         if self.prefetch_distance < 1:
@@ -93,6 +101,8 @@ class FineMoEConfig:
             raise ValueError("enable at least one of use_semantic / use_trajectory")
         if self.searcher not in SEARCHERS:
             raise ValueError(f"searcher must be one of {', '.join(SEARCHERS)}, got {self.searcher!r}")
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0 steps, got {self.lookahead}")
 
 
 class FineMoEPolicy(PolicyBase):
@@ -120,6 +130,8 @@ class FineMoEPolicy(PolicyBase):
         self._prefix_len = 0
         self._semantic_match: tuple[float, int] | None = None
         self._num_tokens = 1
+        self._distinct = np.zeros(0, dtype=np.int64)  # (L,) distinct experts per layer this iteration
+        self._inserted: dict[int, int] = {}  # iteration -> store row (the last lookahead + 1 of them)
         # counters
         self.semantic_searches = 0
         self.trajectory_searches = 0
@@ -152,6 +164,7 @@ class FineMoEPolicy(PolicyBase):
         super().attach(sink, num_layers, num_experts, top_k)
         self._prefix_np = np.zeros((num_layers, num_experts), dtype=np.float32)
         self._prefix_len = 0
+        self._distinct = np.zeros(num_layers, dtype=np.int64)
         if self.config.prefetch_distance > num_layers:
             raise ValueError(
                 f"prefetch_distance {self.config.prefetch_distance} exceeds {num_layers} MoE layers"
@@ -204,7 +217,8 @@ class FineMoEPolicy(PolicyBase):
         """Fill the store from a recorded `Trace` (every step's map, in order). Returns inserts."""
         m = trace.meta
         self._sync_store_from_process()
-        inserted = self._ensure_store(m.num_layers, m.num_experts, m.hidden_size).add_trace(trace)
+        store = self._ensure_store(m.num_layers, m.num_experts, m.hidden_size)
+        inserted = store.add_trace(trace, lookahead=self.config.lookahead)
         self._store_changed()
         return inserted
 
@@ -327,7 +341,7 @@ class FineMoEPolicy(PolicyBase):
             self._prefix_len = 0
             self._num_tokens = num_tokens
             store = self._ensure_store(self.num_layers, self.num_experts, embedding.shape[-1])
-            if not self.config.use_semantic or len(store) == 0:
+            if self.config.lookahead or not self.config.use_semantic or len(store) == 0:
                 return
             t0 = time.perf_counter()
             match = store.semantic_search(embedding)
@@ -352,6 +366,12 @@ class FineMoEPolicy(PolicyBase):
                 probs = probs.detach().float().reshape(-1).numpy()
             self._prefix_np[layer] = probs
             self._prefix_len += 1
+            if self._num_tokens == 1:
+                self._distinct[layer] = self.top_k
+            else:
+                self._distinct[layer] = topk_ids if isinstance(topk_ids, int) else int(torch.unique(topk_ids).numel())
+            if self.config.lookahead:
+                return  # the whole map is matched when the step ends
             target = layer + self.config.prefetch_distance
             if target >= self.num_layers or self.store is None or len(self.store) == 0:
                 return
@@ -376,14 +396,45 @@ class FineMoEPolicy(PolicyBase):
             self._issue(it, target, self.store.map_layer_np(row, target), score, floor)
         elif kind == "end":
             _, it = event
-            if (
-                self.config.online_updates
-                and it == self._it
-                and self._prefix_len == self.num_layers
-                and self._embedding is not None
-                and self.store is not None
-            ):
-                self.store.add(self._embedding, torch.from_numpy(self._prefix_np.copy()))
+            complete = it == self._it and self._prefix_len == self.num_layers and self._embedding is not None
+            if not complete or self.store is None:
+                return
+            if self.config.lookahead:
+                self._predict_ahead(it)
+            if self.config.online_updates:
+                full = torch.from_numpy(self._prefix_np.copy())
+                row = self.store.add(self._embedding, full)
+                self._link_ahead(it, row, full)
+
+    def _link_ahead(self, iteration: int, row: int, full: torch.Tensor) -> None:
+        """The map just stored is the later map of the iteration `lookahead` steps back (same stream:
+        consecutive iterations), unless that row has been replaced since."""
+        n = self.config.lookahead
+        if not n:
+            return
+        back = self._inserted.get(iteration - n)
+        if back is not None and back != row and back not in (self._inserted.get(iteration - j) for j in range(1, n)):
+            self.store.set_ahead(back, full)
+        self._inserted[iteration] = row
+        for old in [i for i in self._inserted if i <= iteration - n]:
+            del self._inserted[old]
+
+    def _predict_ahead(self, iteration: int) -> None:
+        """At the end of a step: the stored iteration most like it (whole map and embedding) whose map
+        `lookahead` steps later is known -> that map prefetches every layer of the step `lookahead` on."""
+        t0 = time.perf_counter()
+        embedding = self._embedding
+        embedding = embedding.numpy() if isinstance(embedding, torch.Tensor) else np.asarray(embedding)
+        match = self.store.lookahead_search_np(embedding, self._prefix_np)
+        self.search_time_s += time.perf_counter() - t0
+        self.trajectory_searches += 1
+        if match is None:
+            return
+        score, row = match
+        ahead = self.store.ahead_np(row)
+        target = iteration + self.config.lookahead
+        for layer in range(self.num_layers):
+            self._issue(target, layer, ahead[layer], score, int(self._distinct[layer]))
 
     def _issue(self, iteration: int, layer: int, probs: np.ndarray, score: float, floor: int) -> None:
         """Prefetch (and protect) layer `layer`'s experts from a matched distribution `probs` (J,) numpy.

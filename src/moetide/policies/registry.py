@@ -40,6 +40,9 @@ class PolicyOptions:
     map_store_capacity: int = 1000
     map_store_path: str | None = None  # a saved FineMoE store to start from
     synchronous: bool = False  # FineMoE's searcher inline (simulation, tests, --deterministic)
+    # steps between an observed step and the first step its decisions reach (the engine's sync-free
+    # steps: residency.core.TABLE_LAG); 0 = decisions within the running step (FineMoE's paper form)
+    lookahead: int = 0
     searcher: str = "process"
     # DynaExq's clock: seconds (time-based updates), or under --deterministic a count of steps
     clock: Callable[[], float] | None = time.monotonic
@@ -51,7 +54,7 @@ class PolicySpec:
 
     memory_mode: the residency's mode (module docstring).
     lo_precision: the lo precision it fixes ("int4", "int2"), or None for the config's choice.
-    on_miss: the on-miss rule it fixes ("lo", "stall"), or None for the config's choice.
+    on_miss: the on-miss rule it fixes ("lo", "zero-copy", "stall"), or None for the config's choice.
     eviction: the device cache's eviction rule ("lru", or "prob-freq": FineMoE's probability x visits).
     predicts: a policy object observes the routers and steers the residency (else the memory mode
         alone is the policy).
@@ -85,6 +88,7 @@ def _finemoe(o: PolicyOptions):
         map_store_capacity=o.map_store_capacity,
         synchronous=o.synchronous,
         searcher=o.searcher,
+        lookahead=o.lookahead,
     )
     if o.map_store_path:
         p.load_store(o.map_store_path)

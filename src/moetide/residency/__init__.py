@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
-from ..errors import BudgetError
+from ..errors import BudgetError, ConfigError
 from ..policies.registry import policy_spec
 from ..store.host_store import HostExpertStore
 from .budget import BudgetTracker, FixedCosts, MemoryPlan, plan_memory
@@ -97,6 +97,21 @@ def fixed_costs(
     return FixedCosts(weights, kv_tokens * per_token, activations, moe_scratch, kv_tokens)
 
 
+def resolve_on_miss(on_miss: str, mode: str) -> str:
+    """`EngineConfig.on_miss` for a memory mode: "auto" runs a miss from its resident lo version where
+    the mode keeps one of every expert (lo+hi), else reads it zero-copy from host memory; "lo" asks
+    for a lo version that a hi cache does not have."""
+    keeps_lo = mode in ("lo+hi", "all-lo")
+    if on_miss == "auto":
+        return "lo" if keeps_lo else "zero-copy"
+    if on_miss == "lo" and mode == "hi-cache":
+        raise ConfigError(
+            "--on-miss lo needs a policy that keeps a lo version of every expert (combined, dynaexq);"
+            " this one caches hi versions only: use --on-miss zero-copy or stall"
+        )
+    return on_miss
+
+
 def build_residency(
     config: EngineConfig,
     store: HostExpertStore,
@@ -159,7 +174,7 @@ def build_residency(
     options = ResidencyOptions(
         mode=mode,
         lo_precision=lo,
-        on_miss=spec.on_miss or config.on_miss,
+        on_miss=resolve_on_miss(spec.on_miss or config.on_miss, mode),
         hi_precision=hi_precision,
         deterministic=config.deterministic,
     )

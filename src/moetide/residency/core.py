@@ -33,6 +33,7 @@ from .budget import BudgetTracker, MemoryPlan
 from .handles import DeviceVersion, ExpertHandle
 from .metrics import ExpertMetrics
 from .pool import SlotPool
+from .slot_table import NOT_RESIDENT
 from .transfer import PRIORITY_DEMAND, PRIORITY_MIGRATION, PRIORITY_PREFETCH
 
 
@@ -42,7 +43,12 @@ class ResidencyOptions:
 
     mode: memory mode of `plan_memory` ("all-hi", "all-lo", "hi-cache", "lo+hi").
     lo_precision: precision of lo versions (a low-bit name of `store.formats.FORMATS`).
-    on_miss: "stall" (load the demand precision) or "lo" (run a published lo version instead).
+    on_miss: what a step does with an expert that has no version on the device:
+        "lo"         run its resident lo version (the lo+hi and all-lo modes keep one of each);
+        "zero-copy"  the kernel reads its hi version straight from pinned host memory;
+        "stall"      copy it over and wait (the one mode that syncs with the host in every layer).
+        With "lo" or "zero-copy" the core keeps a device table (`step_table`) that every layer
+        reads, changed only between steps (`begin_step`), and nothing in a step waits for the host.
     max_background_copies: precision changes (promotions) issued per layer at most (migration rate
         limit). Prefetches are not limited: the policy sized them (FineMoE's delta), and a cap left
         them queued until they were stale (measured: more copies, fewer of them used).
@@ -63,11 +69,15 @@ class ResidencyOptions:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if self.on_miss not in ON_MISS_RULES:
+            raise ValueError(f"on_miss must be one of {ON_MISS_RULES}, got {self.on_miss!r}")
         if self.eviction not in EVICTION_RULES:
             raise ValueError(f"eviction must be one of {EVICTION_RULES}, got {self.eviction!r}")
 
 
 EVICTION_RULES = ("lru", "prob-freq")
+ON_MISS_RULES = ("lo", "zero-copy", "stall")
+TABLE_LAG = 2  # a request made from step i's observations first reaches the table of step i + 2
 
 
 class ResidencyManager:
@@ -111,6 +121,20 @@ class ResidencyManager:
         self._tick = 0
         self._kernel_pools = None  # (dtype, pools) of `kernel_pools`
         self._static_table = None  # (pool_of, slot_of) (L, E) when every slot is fixed for good
+        L, E = store.num_layers, store.num_experts
+        # the device table (step-table mode): what each step's layers read, written between steps
+        self.table_mode = options.on_miss != "stall" or options.mode in ("all-hi", "all-lo")
+        self._table_master = np.full((2, L, E), NOT_RESIDENT, dtype=np.int32)  # pool id, slot
+        self._table_device = torch.full((2, L, E), NOT_RESIDENT, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._table_staging = [torch.empty((2, L, E), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._table_events: list = [None, None]
+        self._table_turn = 0
+        self._watch: set[tuple[int, int]] = set()  # handles whose entry may have changed
+        self._step_marker = None  # compute marker after the last step (gates slot reuse in table mode)
+        self._host_pool = None
+        if self.table_mode:
+            self._watch = {(l, e) for l in range(L) for e in range(E)}
         if options.mode == "lo+hi" or options.mode == "all-lo":
             for row in self.handles:
                 for h in row:
@@ -144,7 +168,8 @@ class ResidencyManager:
             self._publish_all_copies()
         self.iteration = iteration
         self._layers_done = -1
-        stale = self.iteration - self.options.protect_iterations
+        lag = TABLE_LAG if self.table_mode else 0
+        stale = self.iteration - self.options.protect_iterations - lag
         self._protected = {k: it for k, it in self._protected.items() if it > stale}
 
     def _drain_requests(self) -> None:
@@ -169,7 +194,7 @@ class ResidencyManager:
                 self._precision_queue[(layer, what)] = arg
 
     def _protect(self, layer: int, experts, iteration: int) -> None:
-        if iteration == self.iteration and layer <= self._layers_done:
+        if not self.table_mode and iteration == self.iteration and layer <= self._layers_done:
             return  # that layer has already run in this iteration: nothing left to spare it for
         for e in experts:
             self._protected[(layer, e)] = iteration
@@ -197,8 +222,15 @@ class ResidencyManager:
         version = handle.versions.pop(pool)
         self._lru[pool].pop((handle.layer, handle.expert), None)
         handle.evicting += 1
-        # a version still being copied was never read: its slot is free once the copy has landed
-        gate = version.last_read if version.published else version.ready
+        # a version still being copied was never read: its slot is free once the copy has landed;
+        # in table mode a published one may have been read by any step so far, the last included
+        if not version.published:
+            gate = version.ready
+        elif self.table_mode and self._step_marker is not None:
+            gate = self._step_marker
+        else:
+            gate = version.last_read
+        self._watch.add((handle.layer, handle.expert))
         self._pending_free.append((pool, version.slot, handle, gate))
         self.metrics.bump("evictions")
 
@@ -317,6 +349,7 @@ class ResidencyManager:
         version = DeviceVersion(pool, precision, slot, event, views, meta, last_use=self._tick)
         handle.versions[pool] = version
         self._lru[pool][(handle.layer, handle.expert)] = None
+        self._watch.add((handle.layer, handle.expert))
         return version
 
     def _publish_if_ready(self, version: DeviceVersion) -> bool:
@@ -338,7 +371,10 @@ class ResidencyManager:
         """Start one queued prefetch; True if it started a copy. Requests older than the previous
         iteration, or for a layer that has already run in this one, are dropped. `victims_for`: a
         `_victim_queues()` for a burst."""
-        if iteration < self.iteration - 1 or (iteration == self.iteration and layer <= self._layers_done):
+        if self.table_mode:  # made from a step's observations, for the steps after it
+            if iteration < self.iteration - TABLE_LAG:
+                return False
+        elif iteration < self.iteration - 1 or (iteration == self.iteration and layer <= self._layers_done):
             return False
         h = self.handles[layer][expert]
         pool = self._prefetch_pool(h)
@@ -384,14 +420,14 @@ class ResidencyManager:
         for request in mine:
             self._issue_prefetch(*request)
 
-    def _issue_background(self) -> None:
+    def _issue_background(self, budget: int | None = None) -> None:
         """Issue every queued prefetch (the policy sized them: FineMoE's delta), then precision changes
-        up to the per-layer rate limit."""
+        up to `budget` (default: the per-layer rate limit)."""
         if self._prefetch_queue:
             victims_for = self._victim_queues()
             while self._prefetch_queue:
                 self._issue_prefetch(*self._prefetch_queue.popleft(), victims_for=victims_for)
-        budget = self.options.max_background_copies
+        budget = self.options.max_background_copies if budget is None else budget
         while budget > 0 and self._precision_queue:
             (layer, expert), target = self._precision_queue.popitem(last=False)
             h = self.handles[layer][expert]
@@ -504,6 +540,107 @@ class ResidencyManager:
                 if v.published:
                     v.last_read = marker
 
+    # -- step-table mode: the device table every layer reads, written between steps -------------------
+    def begin_step(self, iteration: int) -> None:
+        """Between steps: apply what the policies asked for since the last step (prefetches, precision
+        changes, evictions), publish the copies that have landed, and write the device table the next
+        step's layers read. No host sync: a copy is published only once its event has completed
+        (under `deterministic`, every copy in flight is waited for here, at the step boundary)."""
+        self.begin_iteration(iteration)
+        if not self.table_mode:
+            return
+        self._drain_requests()
+        self._reclaim()
+        self._issue_background(self.options.max_background_copies * self.store.num_layers)
+        self._write_table()
+        self.metrics.peak_device_bytes = max(self.metrics.peak_device_bytes, self.budget.peak_bytes)
+
+    def end_step(self) -> None:
+        """The step's work has been issued: its compute marker gates the reuse of every slot the
+        table pointed at, and every protection for this iteration has served."""
+        self._step_marker = self.transfer.compute_marker()
+        self._layers_done = self.store.num_layers - 1
+        self._protected = {k: it for k, it in self._protected.items() if it > self.iteration}
+
+    def step_table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(pool_of, slot_of)` (E,) int32 device views of `layer`'s entries in the device table, or
+        None when the layer must resolve its experts on the host (`on_miss="stall"`)."""
+        if self._static_table is not None:
+            return self.static_table(layer)
+        if not self.table_mode:
+            return None
+        return self._table_device[0, layer], self._table_device[1, layer]
+
+    def table_snapshot(self) -> np.ndarray:
+        """`(2, L, E)` int32: the pool ids and slots the next step reads (for accounting its uses)."""
+        return self._table_master.copy()
+
+    def _entry(self, h: ExpertHandle) -> tuple[int, int]:
+        """Where the table sends expert `h`: its published hi version, else its published lo version,
+        else (zero-copy) its hi version in host memory, else nowhere."""
+        for pool in ("hi", "lo"):
+            v = h.versions.get(pool)
+            if v is not None and self._publish_if_ready(v):
+                return self.pool_ids[pool], v.slot
+        if self.options.on_miss == "zero-copy":
+            return self.pool_ids["host"], self.store.row(h.layer, h.expert)
+        return NOT_RESIDENT, 0
+
+    def _write_table(self) -> None:
+        """Recompute the watched entries, then one copy of the table to the device (from a pinned
+        staging buffer whose previous copy has finished)."""
+        if not self._watch:
+            return
+        settled = []
+        for layer, expert in self._watch:
+            h = self.handles[layer][expert]
+            self._table_master[:, layer, expert] = self._entry(h)
+            if all(v.published for v in h.versions.values()):
+                settled.append((layer, expert))
+        self._watch.difference_update(settled)
+        if self._table_device.device.type != "cuda":
+            self._table_device.copy_(torch.from_numpy(self._table_master))
+            return
+        turn = self._table_turn
+        self._table_turn ^= 1
+        staging, event = self._table_staging[turn], self._table_events[turn]
+        if event is not None and not event.query():
+            event.synchronize()  # two steps back: in practice long done
+        staging.numpy()[...] = self._table_master
+        self._table_device.copy_(staging, non_blocking=True)
+        event = self._table_events[turn] = torch.cuda.Event()
+        event.record()
+
+    def observe_step(self, table: np.ndarray, used: np.ndarray, iteration: int) -> None:
+        """Account one finished step (table mode, read one step late): `table (2, L, E)` what it read,
+        `used (L, E)` bool the experts it ran. Each use is a hit (the wanted version), a lo run (lo in
+        place of hi) or a miss (read from host memory); used versions are touched for LRU and counted
+        for prob-freq eviction, and a miss asks for its expert to be cached for later steps."""
+        pools = table[0]
+        hi_id, lo_id, host_id = self.pool_ids["hi"], self.pool_ids["lo"], self.pool_ids["host"]
+        wanted = lo_id if self.options.mode == "all-lo" else hi_id
+        hits = (used & (pools == wanted)).sum(axis=1)
+        lo_runs = (used & (pools == lo_id)).sum(axis=1) if wanted != lo_id else np.zeros(len(used), int)
+        misses = (used & ((pools == host_id) | (pools == NOT_RESIDENT))).sum(axis=1)
+        for layer, counters in enumerate(self.metrics.layers):
+            counters.used += int(used[layer].sum())
+            counters.hits += int(hits[layer])
+            counters.lo_runs += int(lo_runs[layer])
+            counters.misses += int(misses[layer])
+        self._visits += used
+        names = {hi_id: "hi", lo_id: "lo"}
+        for layer, expert in zip(*np.nonzero(used), strict=True):
+            pool = names.get(int(pools[layer, expert]))
+            h = self.handles[layer][expert]
+            version = h.versions.get(pool) if pool is not None else None
+            if version is not None and version.slot == table[1, layer, expert]:
+                self._touch(h, pool)
+                if version.prefetched:
+                    version.prefetched = False
+                    self.metrics.bump("prefetches_used")
+            elif pool is None and self.options.mode == "hi-cache":
+                self._prefetch_queue.append((iteration, int(layer), int(expert)))  # cache what was used
+
     # -- set-up and reporting ---------------------------------------------------------------------------
     def preload(self, pool: str, count: int | None = None, progress=None) -> None:
         """Copy versions into `pool` up front (no-offload, static lo, the lo tier of dynaexq)."""
@@ -533,7 +670,8 @@ class ResidencyManager:
         if fixed_mode == pool and in_order and complete:
             self._fix_static_table(pool)
 
-    pool_ids = {"hi": 0, "lo": 1}  # a version's pool -> its index in `kernel_pools` and the slot tables
+    # a version's pool -> its index in `kernel_pools` and the slot tables ("host": zero-copy reads)
+    pool_ids = {"hi": 0, "lo": 1, "host": 2}
 
     def kernel_pools(self, dtype: torch.dtype) -> list:
         """The pools as the MoE kernel reads them (`compute.slot_table.Pool`, indexed by `pool_ids`;
@@ -542,12 +680,25 @@ class ResidencyManager:
             from .slot_table import pool_for
 
             pools = []
-            for name in self.pool_ids:
+            for name in ("hi", "lo"):
                 pool, precision = self.pools[name], self._precision_of(name)
                 meta = self.store.meta.get(precision) if precision != "hi" else None
                 pools.append(pool_for(pool.arena, meta, self.store.shape, dtype) if pool.num_slots else None)
+            pools.append(self._zero_copy_pool(dtype))
             self._kernel_pools = (dtype, pools)
         return self._kernel_pools[1]
+
+    def _zero_copy_pool(self, dtype: torch.dtype):
+        """The host store's hi arena as a pool the kernel reads in place (`on_miss="zero-copy"`): on a
+        GPU its pinned memory is device-addressable (UVA), so a miss costs PCIe reads, not a sync."""
+        if self.options.on_miss != "zero-copy" or "hi" not in self.store.versions:
+            return None
+        from .slot_table import device_alias, pool_for
+
+        arena = self.store.versions["hi"]
+        if self.device.type == "cuda":
+            arena = device_alias(arena, self.device)
+        return pool_for(arena, None, self.store.shape, dtype)
 
     def static_table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(pool_of, slot_of)` (E,) int32 device tensors of `layer` when every expert has a version at

@@ -42,6 +42,8 @@ class DirectResidency:
         self._table = None
         self._staged = None  # (n, bytes) on the device: the experts of the last acquire (GPU)
 
+    table_mode = False  # steps resolve their experts through `acquire` (no device table to write)
+
     def begin_iteration(self, iteration: int) -> None:
         pass
 
@@ -97,6 +99,9 @@ class DirectResidency:
             slots = torch.arange(L * E, dtype=torch.int32).view(L, E)
             self._table = (torch.zeros(L, E, dtype=torch.int32), slots)
         return self._table[0][layer], self._table[1][layer]
+
+    def step_table(self, layer: int):
+        return self.static_table(layer)
 
     def resident_counts(self) -> dict[str, int]:
         """On the CPU the store is the device memory, so every expert is resident in hi (and each use

@@ -32,6 +32,8 @@ class ExpertMetrics:
     evictions: int = 0
     deferred: int = 0
     host_syncs: int = 0
+    steps: int = 0
+    step_host_s: float = 0.0  # host seconds at step boundaries: residency decisions, table, publishing
     peak_device_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -88,6 +90,8 @@ class ExpertMetrics:
             "evictions": self.evictions,
             "deferred": self.deferred,
             "host_syncs": self.host_syncs,
+            "steps": self.steps,
+            "step_host_s": round(self.step_host_s, 6),
             "peak_device_bytes": self.peak_device_bytes,
             "resident": resident or {},
             "per_layer": [

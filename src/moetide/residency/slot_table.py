@@ -146,3 +146,20 @@ def pool_for(arena: torch.Tensor, meta, shape, dtype: torch.dtype) -> Pool:
     if meta is None or not getattr(meta, "is_low_bit", False):
         return Pool(arena, dense_format(shape.hidden, shape.intermediate, shape.dtype))
     return Pool(arena, packed_format(meta, dtype))
+
+
+class _CudaArrayInterface:
+    """The minimal `__cuda_array_interface__` holder `torch.as_tensor` wraps without a copy."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the pinned host tensor `host` (same bytes, same shape, uint8): under UVA
+    pinned host memory is device-addressable, so kernels read it in place over PCIe (zero-copy).
+    `host` must stay alive as long as the alias is used (the host store keeps its arenas)."""
+    if not host.is_pinned():
+        raise ValueError("zero-copy reads need pinned host memory")
+    flat = torch.as_tensor(_CudaArrayInterface(host.data_ptr(), host.numel() * host.element_size()), device=device)
+    return flat.view(host.shape) if host.dtype == torch.uint8 else flat

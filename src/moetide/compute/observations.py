@@ -1,0 +1,244 @@
+"""What a step shows the policies, written on the device and read on the host one step later.
+
+The forward pass writes each MoE layer's routing into fixed device buffers (so a captured decode
+step writes them too, and no layer waits for the host); `finish_step` queues one asynchronous copy
+of the step's bytes into a pinned host slot, and a later `finish_step` (or `flush`) hands the
+records whose copy has landed to the host (`StepRecord`). Shapes, for a step of T tokens:
+
+    ids      (L, T, k)  int32    experts the router chose (written by the runtime, every layer)
+    logits   (L, T, E)  float32  router logits (written by the policy hooks, when a policy observes)
+    spec     (L, T, k)  int32    speculative top-k of router l+d on layer l's input (LRU's guess)
+    embed    (H,)       float32  the step's mean embedding-layer output (FineMoE's semantic key)
+
+All of a step's regions lie back to back from byte 0 of one buffer, so one copy moves them. Steps of
+up to `decode_tokens` tokens use a buffer allocated once (its addresses stay valid in CUDA graphs);
+larger ones (prefills) use a second buffer that grows as needed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+HOST_SLOTS = 4  # pinned copies in flight at once (a record is read at most a few steps later)
+
+
+@dataclass
+class StepRecord:
+    """One step's observations on the host (numpy views into a pinned slot, valid until the slot is
+    reused: `HOST_SLOTS` steps later)."""
+
+    iteration: int
+    num_tokens: int
+    ids: np.ndarray  # (L, T, k) int32
+    logits: np.ndarray | None  # (L, T, E) float32
+    spec: np.ndarray | None  # (L, T, k) int32
+    embed: np.ndarray | None  # (H,) float32
+    num_experts: int = 0
+    context: object = None  # what the runtime attached at the step's start (its table snapshot)
+
+    def gate_probs(self, layer: int) -> np.ndarray:
+        """Mean softmax over the step's tokens of layer `layer`'s router logits: (E,) float32."""
+        x = self.logits[layer]
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return (e / e.sum(axis=-1, keepdims=True)).mean(axis=0).astype(np.float32)
+
+    def used(self) -> np.ndarray:
+        """(L, E) bool: experts some token of the step ran at each layer."""
+        L, T, k = self.ids.shape
+        used = np.zeros((L, self.num_experts), dtype=bool)
+        rows = np.repeat(np.arange(L), T * k)
+        used[rows, self.ids.reshape(-1)] = True
+        return used
+
+
+class _Layout:
+    """Byte offsets of each region for a step of `tokens` tokens."""
+
+    def __init__(self, L: int, E: int, k: int, H: int, tokens: int, logits: bool, spec: bool, embed: bool):
+        self.tokens = tokens
+        offset = 0
+        self.ids = (offset, L * tokens * k)
+        offset += 4 * L * tokens * k
+        self.logits = (offset, L * tokens * E) if logits else None
+        offset += 4 * L * tokens * E if logits else 0
+        self.spec = (offset, L * tokens * k) if spec else None
+        offset += 4 * L * tokens * k if spec else 0
+        self.embed = (offset, H) if embed else None
+        offset += 4 * H if embed else 0
+        self.nbytes = offset
+
+
+class StepObservations:
+    """Device buffers for one step's routing, and the pinned slots they are copied into.
+
+    Args:
+        num_layers, num_experts, top_k, hidden_size: L, E, k, H.
+        device: where the forward pass runs.
+        decode_tokens: steps of at most this many tokens (decode batches) use the fixed buffer.
+    """
+
+    def __init__(self, num_layers, num_experts, top_k, hidden_size, device, decode_tokens: int = 32):
+        self.shape = (num_layers, num_experts, top_k, hidden_size)
+        self.device = torch.device(device)
+        self.decode_tokens = decode_tokens
+        self.want_logits = False  # set by the policy hooks
+        self.want_spec = False
+        self.want_embed = False
+        self._fixed: torch.Tensor | None = None
+        self._growing: torch.Tensor | None = None
+        self._host: list[torch.Tensor | None] = [None] * HOST_SLOTS
+        self._next_slot = 0
+        self._pending: deque = deque()  # (record without views, slot, layout, event)
+        self._views: dict = {}  # (buffer id, tokens) -> {region: tensor view}
+        self._step: tuple | None = None  # (iteration, tokens, context) of the running step
+
+    def want(self, *, logits: bool = False, spec: bool = False, embed: bool = False) -> None:
+        """Which regions beyond the ids are recorded (the policy hooks ask, before any step)."""
+        self.want_logits |= logits
+        self.want_spec |= spec
+        self.want_embed |= embed
+        self._fixed = self._growing = None
+        self._views.clear()
+
+    # -- the forward pass (device ops only) --------------------------------------------------------
+    def layout(self, tokens: int) -> _Layout:
+        L, E, k, H = self.shape
+        return _Layout(L, E, k, H, tokens, self.want_logits, self.want_spec, self.want_embed)
+
+    def _buffer_for(self, nbytes: int, tokens: int) -> torch.Tensor:
+        if tokens <= self.decode_tokens:
+            if self._fixed is None:
+                most = self.layout(self.decode_tokens).nbytes
+                self._fixed = torch.empty(most, dtype=torch.uint8, device=self.device)
+            return self._fixed
+        if self._growing is None or self._growing.numel() < nbytes:
+            self._growing = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._views = {key: v for key, v in self._views.items() if key[0] != "growing"}
+        return self._growing
+
+    def views(self, tokens: int) -> dict[str, torch.Tensor]:
+        """The regions of a `tokens`-token step: "ids" (L, T, k) int32, and "logits" (L, T, E),
+        "spec" (L, T, k), "embed" (H,) where wanted. The same tensors each time for the same T."""
+        key = ("fixed" if tokens <= self.decode_tokens else "growing", tokens)
+        views = self._views.get(key)
+        if views is None:
+            lay = self.layout(tokens)
+            buf = self._buffer_for(lay.nbytes, tokens)
+            L, E, k, H = self.shape
+            views = {"buffer": buf[: lay.nbytes]}
+            views["ids"] = buf[lay.ids[0] : lay.ids[0] + 4 * lay.ids[1]].view(torch.int32).view(L, tokens, k)
+            if lay.logits:
+                start = lay.logits[0]
+                views["logits"] = buf[start : start + 4 * lay.logits[1]].view(torch.float32).view(L, tokens, E)
+            if lay.spec:
+                start = lay.spec[0]
+                views["spec"] = buf[start : start + 4 * lay.spec[1]].view(torch.int32).view(L, tokens, k)
+            if lay.embed:
+                views["embed"] = buf[lay.embed[0] : lay.embed[0] + 4 * H].view(torch.float32)
+            self._views[key] = views
+        return views
+
+    def begin_step(self, iteration: int, context=None) -> None:
+        self._step = (iteration, None, context)
+
+    def _tokens(self, tokens: int) -> dict[str, torch.Tensor]:
+        iteration, seen, context = self._step if self._step is not None else (0, None, None)
+        if seen is None:
+            self._step = (iteration, tokens, context)
+        return self.views(tokens)
+
+    def record_ids(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """`top_k_index (T, k)` of MoE layer `layer` into the step's ids region."""
+        self._tokens(top_k_index.shape[0])["ids"][layer].copy_(top_k_index)
+
+    def record_logits(self, layer: int, logits: torch.Tensor) -> None:
+        """Router logits `(T, E)` of layer `layer` (float32 in the buffer)."""
+        logits = logits.reshape(-1, logits.shape[-1])
+        self._tokens(logits.shape[0])["logits"][layer].copy_(logits)
+
+    def record_spec(self, layer: int, top_k_index: torch.Tensor) -> None:
+        top_k_index = top_k_index.reshape(-1, top_k_index.shape[-1])
+        self._tokens(top_k_index.shape[0])["spec"][layer].copy_(top_k_index)
+
+    def record_embedding(self, hidden: torch.Tensor) -> None:
+        """The embedding-layer output `(..., H)`: its mean over tokens."""
+        h = hidden.reshape(-1, hidden.shape[-1])
+        torch.mean(h, dim=0, dtype=torch.float32, out=self._tokens(h.shape[0])["embed"])
+
+    # -- step boundaries (host) --------------------------------------------------------------------
+    def finish_step(self) -> list[StepRecord]:
+        """Return the earlier steps whose copies have landed (oldest first), then queue the running
+        step's copy to a pinned slot: a step is read on the host at the end of the step after it,
+        on a GPU and on the CPU alike (a step that recorded nothing is skipped)."""
+        ready = self._ready(block_oldest=False)
+        step, self._step = self._step, None
+        if step is not None and step[1] is not None:
+            self._queue_copy(*step)
+        return ready
+
+    def flush(self) -> list[StepRecord]:
+        """Every queued record, waiting for the copies still in flight (end of a run)."""
+        return self._ready(block_oldest=True, everything=True)
+
+    def _queue_copy(self, iteration: int, tokens: int, context) -> None:
+        if len(self._pending) >= HOST_SLOTS:  # every slot is still being read: wait for the oldest
+            self._wait(self._pending[0][3])
+        lay = self.layout(tokens)
+        src = self.views(tokens)["buffer"]
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % HOST_SLOTS
+        host = self._host[slot]
+        if host is None or host.numel() < lay.nbytes:
+            pin = self.device.type == "cuda"
+            host = self._host[slot] = torch.empty(max(lay.nbytes, 1 << 16), dtype=torch.uint8, pin_memory=pin)
+        event = None
+        if self.device.type == "cuda":
+            host[: lay.nbytes].copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host[: lay.nbytes].copy_(src)
+        self._pending.append(((iteration, tokens, context), slot, lay, event))
+
+    @staticmethod
+    def _wait(event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def _ready(self, *, block_oldest: bool, everything: bool = False) -> list[StepRecord]:
+        out = []
+        while self._pending:
+            step, slot, lay, event = self._pending[0]
+            if event is not None and not event.query():
+                if not (block_oldest or everything):
+                    break
+                self._wait(event)
+            self._pending.popleft()
+            out.append(self._record(step, self._host[slot], lay))
+        return out
+
+    def _record(self, step, host: torch.Tensor, lay: _Layout) -> StepRecord:
+        iteration, tokens, context = step
+        L, E, k, H = self.shape
+        raw = host.numpy()
+
+        def region(spec, dtype, shape):
+            if spec is None:
+                return None
+            start, count = spec
+            return raw[start : start + 4 * count].view(dtype).reshape(shape)
+
+        return StepRecord(
+            iteration,
+            tokens,
+            region(lay.ids, np.int32, (L, tokens, k)),
+            region(lay.logits, np.float32, (L, tokens, E)),
+            region(lay.spec, np.int32, (L, tokens, k)),
+            region(lay.embed, np.float32, (H,)),
+            E,
+            context,
+        )

@@ -1,0 +1,139 @@
+"""The residency core's device table (step-table mode): what every layer of a sync-free step reads.
+
+DynaExq's versioned-handle invariant, held by the table: a step only ever reads complete versions
+(a copy is published only after its event), and a slot is reused only after every step that could
+read its old version has finished (the compute marker of the last such step). A hypothesis state
+machine drives copies, evictions, precision changes and steps on the CPU backend (copies on a
+worker thread at a simulated bandwidth, each destination poisoned first) while up to two steps are
+"in flight": a step's reads happen only when it completes, after later steps have been planned, as
+on a GPU that lags the host. Any read of a partial or reused slot shows up as poison or as weights
+that are not the version the table named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_residency import EXPERTS, LAYERS, STORE, make_manager
+
+from moetide.residency.transfer import CpuTransfer, ThreadEvent
+from moetide.store import quant
+
+IN_FLIGHT = 2
+
+
+class LaggingTransfer(CpuTransfer):
+    """CPU copies, and compute markers that complete only when the test says the step has run."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.markers: list[ThreadEvent] = []
+
+    def compute_marker(self) -> ThreadEvent:
+        event = ThreadEvent()
+        self.markers.append(event)
+        return event
+
+
+def expected_weights(layer: int, expert: int, precision: str) -> torch.Tensor:
+    """The expert's dense gate_up as the host store holds `precision` (hi, or the lo format)."""
+    if precision == "hi":
+        return STORE.views(layer, expert, "hi")["gate_up"]
+    gate_up, _ = quant.dequantize(STORE.views(layer, expert, precision), STORE.meta[precision], torch.float32)
+    return gate_up
+
+
+class DeviceTableMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.manager = None
+        self.iteration = 0
+        self.in_flight: list[tuple[np.ndarray, ThreadEvent]] = []  # (table read, marker)
+
+    @rule(
+        mode=st.sampled_from(["hi-cache", "lo+hi"]),
+        hi_slots=st.integers(2, 6),
+    )
+    @precondition(lambda self: self.manager is None)
+    def start(self, mode, hi_slots):
+        on_miss = "zero-copy" if mode == "hi-cache" else "lo"
+        lo_slots = LAYERS * EXPERTS if mode == "lo+hi" else 0
+        manager = make_manager(mode, hi_slots, lo_slots, on_miss=on_miss, bandwidth=5e7)
+        manager.transfer.close()
+        manager.transfer = LaggingTransfer(bandwidth_bytes_per_s=5e7, poison=True)
+        self.manager = manager
+
+    @rule(layer=st.integers(0, LAYERS - 1), experts=st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4))
+    @precondition(lambda self: self.manager is not None)
+    def prefetch(self, layer, experts):
+        self.manager.prefetch(layer, experts, iteration=self.iteration)
+
+    @rule(layer=st.integers(0, LAYERS - 1), expert=st.integers(0, EXPERTS - 1), hi=st.booleans())
+    @precondition(lambda self: self.manager is not None)
+    def set_precision(self, layer, expert, hi):
+        self.manager.set_precision(layer, expert, "hi" if hi else "lo")
+
+    @rule(used=st.lists(st.tuples(st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)), max_size=6))
+    @precondition(lambda self: self.manager is not None)
+    def step(self, used):
+        m = self.manager
+        self.iteration += 1
+        m.begin_step(self.iteration)
+        table = m._table_device.clone().numpy()  # what this step's layers read
+        assert np.array_equal(table, m.table_snapshot())
+        m.end_step()
+        self.in_flight.append((table, m.transfer.markers[-1]))
+        mask = np.zeros((LAYERS, EXPERTS), dtype=bool)
+        for layer, expert in used:
+            mask[layer, expert] = True
+        m.observe_step(table, mask, self.iteration)
+        if len(self.in_flight) > IN_FLIGHT:
+            self._complete_oldest()
+
+    @rule()
+    @precondition(lambda self: self.manager is not None and self.in_flight)
+    def complete_oldest(self):
+        self._complete_oldest()
+
+    def _complete_oldest(self):
+        """The oldest step runs now: read every expert through its table and check the weights."""
+        table, marker = self.in_flight.pop(0)
+        pools = self.manager.kernel_pools(torch.float32)
+        names = {v: k for k, v in self.manager.pool_ids.items()}
+        for layer in range(LAYERS):
+            for expert in range(EXPERTS):
+                pool_id, slot = int(table[0, layer, expert]), int(table[1, layer, expert])
+                assert pool_id >= 0, "an expert the table sends nowhere"
+                gate_up, _ = pools[pool_id].weights(slot, torch.float32)
+                assert torch.isfinite(gate_up).all(), "read a poisoned (partially written) slot"
+                name = names[pool_id]
+                precision = self.manager.options.lo_precision if name == "lo" else "hi"
+                want = expected_weights(layer, expert, precision)
+                assert torch.equal(gate_up, want), f"{name} slot {slot} no longer holds ({layer}, {expert})"
+        marker.set()
+
+    @invariant()
+    def budget_and_slots_add_up(self):
+        m = self.manager
+        if m is None:
+            return
+        assert m.budget.used_bytes <= m.budget.total_bytes
+        for name, pool in m.pools.items():
+            resident = sum(1 for row in m.handles for h in row if name in h.versions)
+            pending = sum(1 for p, *_ in m._pending_free if p == name)
+            assert resident + pending + pool.free_slots == pool.num_slots
+
+    def teardown(self):
+        if self.manager is not None:
+            while self.in_flight:
+                self._complete_oldest()
+            self.manager.close()
+
+
+DeviceTableMachine.TestCase.settings = settings(
+    max_examples=20, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_no_step_reads_a_partial_or_reused_slot = DeviceTableMachine.TestCase
