@@ -82,14 +82,14 @@ class DeviceTableMachine(RuleBasedStateMachine):
         m = self.manager
         self.iteration += 1
         m.begin_step(self.iteration)
-        table = m._table_device.clone().numpy()  # what this step's layers read
-        assert np.array_equal(table, m.table_snapshot())
+        # what this step's layers read: the host's table, plus any copy that published itself since
+        table = m._table_device.clone().numpy()
         m.end_step()
         self.in_flight.append((table, m.transfer.markers[-1]))
         mask = np.zeros((LAYERS, EXPERTS), dtype=bool)
         for layer, expert in used:
             mask[layer, expert] = True
-        m.observe_step(table, mask, self.iteration)
+        m.observe_step(m.table_snapshot(), mask, self.iteration)
         if len(self.in_flight) > IN_FLIGHT:
             self._complete_oldest()
 
@@ -105,7 +105,8 @@ class DeviceTableMachine(RuleBasedStateMachine):
         names = {v: k for k, v in self.manager.pool_ids.items()}
         for layer in range(LAYERS):
             for expert in range(EXPERTS):
-                pool_id, slot = int(table[0, layer, expert]), int(table[1, layer, expert])
+                pool_id = int(table[layer, 0, expert])
+                slot = int(table[layer, 1 + pool_id, expert])
                 assert pool_id >= 0, "an expert the table sends nowhere"
                 gate_up, _ = pools[pool_id].weights(slot, torch.float32)
                 assert torch.isfinite(gate_up).all(), "read a poisoned (partially written) slot"

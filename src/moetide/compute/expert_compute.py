@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..residency.slot_table import slot_in_pool
+
 ActFn = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -56,13 +58,15 @@ def reference_moe(
     act_fn: ActFn,
 ) -> torch.Tensor:
     """The per-expert reference of the fused kernel (`fused_moe.fused_moe`), in plain PyTorch: each
-    used expert's weights read through the slot table (`pool_of`, `slot_of` (E,)) from its
+    used expert's weights read through the slot table (`pool_of` (E,), `slot_of` (E,) or one row
+    per pool (P, E): see `slot_table.slot_in_pool`) from its
     `slot_table.Pool`, dequantized if packed, run on its tokens and combined in transformers' order.
     Experts with no pool add nothing. -> `(T, H)`. It reads the used ids on the host: the CPU
     engine's path (no device to sync with) and the tests' reference, never a CUDA decode step."""
     used = torch.unique(top_k_index).tolist()
-    pool_ids, slots = pool_of.tolist(), slot_of.tolist()
+    pool_ids = pool_of.tolist()  # read once: the slot of each expert is then read in its pool's row
     present = [e for e in used if 0 <= pool_ids[e] < len(pools) and pools[pool_ids[e]] is not None]
+    slots = {e: int(slot_in_pool(slot_of, pool_ids[e], e)) for e in present}
 
     def run_expert(e: int, x: torch.Tensor) -> torch.Tensor:  # one expert's dense weights at a time
         return expert_mlp(x, *pools[pool_ids[e]].weights(slots[e], hidden.dtype), act_fn)

@@ -6,7 +6,8 @@ H hidden, I expert intermediate.
     topk_ids      (T, k)   int64 expert ids chosen by the router
     topk_weights  (T, k)   routing weights, any float dtype
     pool_of       (E,)     int32, the pool holding each expert's version to run, -1 = none
-    slot_of       (E,)     int32, its row in that pool's arena (see `slot_table`)
+    slot_of       (P, E)   int32, its row in each pool's arena (or (E,): the same row whatever the
+                           pool; see `slot_table`)
 
 Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed T):
   align     pairs sorted by expert into blocks of BLOCK_M rows, each block one expert
@@ -125,15 +126,16 @@ def _mm(a, b, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID,
+def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
                 BLOCK_M: tl.constexpr):  # fmt: skip
-    """This program's block: (runs here?, pool row, sorted positions (BLOCK_M,), pairs, pair mask)."""
+    """This program's block: (runs here?, pool row, sorted positions (BLOCK_M,), pairs, pair mask).
+    The row is read from this pool's row of the slot table (`slot_stride` = E, or 0 for one row)."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     safe = tl.maximum(expert, 0)
     pool = tl.load(pool_of_ptr + safe)
     runs = (expert >= 0) & (pool == POOL_ID)
-    row = tl.load(slot_of_ptr + safe).to(tl.int64)
+    row = tl.load(slot_of_ptr + POOL_ID * slot_stride + safe).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pair_ptr + offs_m)
     return runs, row, offs_m.to(tl.int64), pair.to(tl.int64), pair < num_pairs
@@ -148,6 +150,7 @@ def _gate_up_kernel(
     block_expert_ptr,
     pool_of_ptr,
     slot_of_ptr,
+    slot_stride,
     num_pairs,
     POOL_ID,
     data_ptr,
@@ -169,7 +172,7 @@ def _gate_up_kernel(
 ):
     """h[sorted position] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T)."""
     runs, row, offs_m, pair, m_mask = _block_rows(
-        block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
+        block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
     )
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,6 +202,7 @@ def _down_kernel(
     block_expert_ptr,
     pool_of_ptr,
     slot_of_ptr,
+    slot_stride,
     num_pairs,
     POOL_ID,
     data_ptr,
@@ -219,7 +223,7 @@ def _down_kernel(
 ):
     """y[pair] (BLOCK_N columns) = routing[pair] * (h[sorted position] @ Wd^T), float32."""
     runs, row, offs_m, pair, m_mask = _block_rows(
-        block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
+        block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
     )
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -338,6 +342,7 @@ def fused_moe(
         block_expert_ptr=block_expert,
         pool_of_ptr=pool_of,
         slot_of_ptr=slot_of,
+        slot_stride=slot_of.shape[-1] if slot_of.dim() == 2 else 0,
         num_pairs=num_pairs,
         HIDDEN=hidden_size,
         INTER=inter,

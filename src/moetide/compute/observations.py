@@ -2,8 +2,8 @@
 
 The forward pass writes each MoE layer's routing into fixed device buffers (so a captured decode
 step writes them too, and no layer waits for the host); `finish_step` queues one asynchronous copy
-of the step's bytes into a pinned host slot, and a later `finish_step` (or `flush`) hands the
-records whose copy has landed to the host (`StepRecord`). Shapes, for a step of T tokens:
+of the step's bytes into a pinned host slot, and the next step's start (`take_ready`, or `flush`)
+hands the records whose copy has landed to the host (`StepRecord`). Shapes, for a step of T tokens:
 
     ids      (L, T, k)  int32    experts the router chose (written by the runtime, every layer)
     logits   (L, T, E)  float32  router logits (written by the policy hooks, when a policy observes)
@@ -170,15 +170,16 @@ class StepObservations:
         torch.mean(h, dim=0, dtype=torch.float32, out=self._tokens(h.shape[0])["embed"])
 
     # -- step boundaries (host) --------------------------------------------------------------------
-    def finish_step(self) -> list[StepRecord]:
-        """Return the earlier steps whose copies have landed (oldest first), then queue the running
-        step's copy to a pinned slot: a step is read on the host at the end of the step after it,
-        on a GPU and on the CPU alike (a step that recorded nothing is skipped)."""
-        ready = self._ready(block_oldest=False)
+    def take_ready(self) -> list[StepRecord]:
+        """The earlier steps whose copies have landed (oldest first); the engine calls this at the
+        start of a step, when the step before it has finished (its tokens were read)."""
+        return self._ready(block_oldest=False)
+
+    def finish_step(self) -> None:
+        """Queue the running step's copy to a pinned slot (a step that recorded nothing is skipped)."""
         step, self._step = self._step, None
         if step is not None and step[1] is not None:
             self._queue_copy(*step)
-        return ready
 
     def flush(self) -> list[StepRecord]:
         """Every queued record, waiting for the copies still in flight (end of a run)."""

@@ -12,11 +12,14 @@ runs the router and the shared experts; moetide computes the routed experts in o
              per expert: the CPU path and the tests' reference) over that table
     combine  inside the kernel (routing weights) and one reduce over each token's k pairs
 
-Steps: the engine's runner brackets every forward with `begin_step` / `end_step` (the residency
-applies its decisions and writes the table in between; a forward run outside the engine opens and
-closes its own step from the embedding and decoder hooks). Each layer writes its routing into the
-step's device buffers (`observations.StepObservations`); they reach the host one step later, where
-the residency accounts the step and the policies (`policies.hooks.PolicyHooks`) observe it.
+Steps: the engine's runner brackets every forward with `begin_step` / `end_step`. Each layer writes
+its routing into the step's device buffers (`observations.StepObservations`), copied to the host
+after the step. At the next `begin_step` the residency accounts the finished step (hits, LRU,
+misses to cache), applies what the policies asked and writes the table; at its `end_step`, while the
+device computes, the policies (`policies.hooks.PolicyHooks`) observe the finished step. So a policy
+decides between steps, and its decisions reach the table two steps after the step it observed
+(`residency.core.TABLE_LAG`). A forward run outside the engine opens and closes its own step from
+the embedding and decoder hooks.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class ExpertRuntime:
         self.step_tags: tuple = ()  # request ids of the next step (tools that replay requests set it)
         self._in_step = False
         self._auto_step = False
+        self._to_observe: list[StepRecord] = []  # accounted at this step's start, observed at its end
     def set_lo_kernel(self, kind: str, device: torch.device) -> None:
         """How the experts are computed: "triton" (the fused kernel over the slot table), "dequant"
         (the per-expert PyTorch reference: dequantize, then matmul) or "auto" (triton on CUDA where
@@ -121,6 +125,10 @@ class ExpertRuntime:
         self._in_step, self._auto_step = True, auto
         self.iteration += 1
         self.metrics.steps += 1
+        if self.observations is not None:  # the step before has finished: account it first
+            for record in self.observations.take_ready():
+                self._account(record)
+                self._to_observe.append(record)
         if hasattr(self.residency, "begin_step"):
             self.residency.begin_step(self.iteration)
         else:
@@ -140,22 +148,29 @@ class ExpertRuntime:
         if hasattr(self.residency, "end_step"):
             self.residency.end_step()
         if self.observations is not None:
-            for record in self.observations.finish_step():
-                self._publish(record)
+            self.observations.finish_step()
+        self._observe_taken()  # the policies' part runs while the device computes this step
         self.metrics.step_host_s += time.perf_counter() - t0
+
+    def _observe_taken(self) -> None:
+        records, self._to_observe = self._to_observe, []
+        for record in records:
+            for observer in self.step_observers:
+                observer(record)
 
     def flush_observations(self) -> None:
         """Publish every step still in flight (the end of a run: metrics and policies up to date)."""
         if self.observations is not None and not self._in_step:
             for record in self.observations.flush():
-                self._publish(record)
+                self._account(record)
+                self._to_observe.append(record)
+            self._observe_taken()
 
-    def _publish(self, record: StepRecord) -> None:
+    def _account(self, record: StepRecord) -> None:
+        """The residency's part of a finished step: its uses counted, LRU touched, misses cached."""
         table, _tags = record.context
         if table is not None:
             self.residency.observe_step(table, record.used(), record.iteration)
-        for observer in self.step_observers:
-            observer(record)
 
     def on_embedding(self, embeds: torch.Tensor) -> None:
         """The embedding layer ran: a forward outside the engine's runner opens its own step."""

@@ -124,10 +124,16 @@ class ResidencyManager:
         L, E = store.num_layers, store.num_experts
         # the device table (step-table mode): what each step's layers read, written between steps
         self.table_mode = options.on_miss != "stall" or options.mode in ("all-hi", "all-lo")
-        self._table_master = np.full((2, L, E), NOT_RESIDENT, dtype=np.int32)  # pool id, slot
-        self._table_device = torch.full((2, L, E), NOT_RESIDENT, dtype=torch.int32, device=device)
+        # per layer: row 0 the pool id of each expert, row 1 + p its slot in pool p (slot_table.py)
+        shape = (L, 1 + len(self.pool_ids), E)
+        self._table_master = np.full(shape, NOT_RESIDENT, dtype=np.int32)
+        self._table_master[:, 1:] = 0
+        self._table_device = torch.from_numpy(self._table_master.copy()).to(device)
         pin = device.type == "cuda"
-        self._table_staging = [torch.empty((2, L, E), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._table_staging = [torch.empty(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        # pinned words the copy stream writes into the device table after a copy (mid-step publishing)
+        self._entry_words = torch.zeros(1 << 16, dtype=torch.int32, pin_memory=pin)
+        self._entry_next = 0
         self._table_events: list = [None, None]
         self._table_turn = 0
         self._watch: set[tuple[int, int]] = set()  # handles whose entry may have changed
@@ -337,7 +343,7 @@ class ResidencyManager:
         precision = self._precision_of(pool)
         src = self.store.buffer(handle.layer, handle.expert, precision)
         dst = self.pools[pool].buffer(slot)[: src.numel()]
-        event = self.transfer.copy(dst, src, priority)
+        event = self.transfer.copy(dst, src, priority, then=self._publishing_words(handle, pool, slot))
         self.metrics.add_copy(src.numel())
         if precision == "hi":
             views, meta = hi_views(dst, self.store.shape), None
@@ -351,6 +357,24 @@ class ResidencyManager:
         self._lru[pool][(handle.layer, handle.expert)] = None
         self._watch.add((handle.layer, handle.expert))
         return version
+
+    def _publishing_words(self, handle: ExpertHandle, pool: str, slot: int) -> list:
+        """In table mode, the device-table words a copy writes after itself, on its own stream, so
+        that its version is live from the moment it lands, even in the middle of a step: the slot in
+        this pool's row first, then the pool id (slot_table.py: a reader sees the old version or the
+        new one). None under `deterministic` (versions appear at step boundaries only) or where the
+        entry would not change to this version (a lo copy under a resident hi version)."""
+        if not self.table_mode or self.options.deterministic or self._static_table is not None:
+            return []
+        if pool == "lo" and "hi" in handle.versions:
+            return []
+        layer, expert, pid = handle.layer, handle.expert, self.pool_ids[pool]
+        i = self._entry_next
+        self._entry_next = (i + 2) % self._entry_words.numel()
+        words = self._entry_words[i : i + 2]
+        words[0], words[1] = slot, pid
+        row = self._table_device[layer]
+        return [(row[1 + pid, expert : expert + 1], words[0:1]), (row[0, expert : expert + 1], words[1:2])]
 
     def _publish_if_ready(self, version: DeviceVersion) -> bool:
         # deterministic: a copy becomes visible at the next step boundary, whenever it lands
@@ -569,10 +593,11 @@ class ResidencyManager:
             return self.static_table(layer)
         if not self.table_mode:
             return None
-        return self._table_device[0, layer], self._table_device[1, layer]
+        return self._table_device[layer, 0], self._table_device[layer, 1:]
 
     def table_snapshot(self) -> np.ndarray:
-        """`(2, L, E)` int32: the pool ids and slots the next step reads (for accounting its uses)."""
+        """`(L, 1 + P, E)` int32: the pool ids and per-pool slots the next step reads, as the host
+        wrote them (copies publishing mid-step are not in it; for accounting the step's uses)."""
         return self._table_master.copy()
 
     def _entry(self, h: ExpertHandle) -> tuple[int, int]:
@@ -594,7 +619,10 @@ class ResidencyManager:
         settled = []
         for layer, expert in self._watch:
             h = self.handles[layer][expert]
-            self._table_master[:, layer, expert] = self._entry(h)
+            pool, slot = self._entry(h)
+            self._table_master[layer, 0, expert] = pool
+            if pool >= 0:
+                self._table_master[layer, 1 + pool, expert] = slot
             if all(v.published for v in h.versions.values()):
                 settled.append((layer, expert))
         self._watch.difference_update(settled)
@@ -612,11 +640,11 @@ class ResidencyManager:
         event.record()
 
     def observe_step(self, table: np.ndarray, used: np.ndarray, iteration: int) -> None:
-        """Account one finished step (table mode, read one step late): `table (2, L, E)` what it read,
+        """Account one finished step (table mode, read one step late): `table (L, 1+P, E)` what it read,
         `used (L, E)` bool the experts it ran. Each use is a hit (the wanted version), a lo run (lo in
         place of hi) or a miss (read from host memory); used versions are touched for LRU and counted
         for prob-freq eviction, and a miss asks for its expert to be cached for later steps."""
-        pools = table[0]
+        pools = table[:, 0]
         hi_id, lo_id, host_id = self.pool_ids["hi"], self.pool_ids["lo"], self.pool_ids["host"]
         wanted = lo_id if self.options.mode == "all-lo" else hi_id
         hits = (used & (pools == wanted)).sum(axis=1)
@@ -633,7 +661,7 @@ class ResidencyManager:
             pool = names.get(int(pools[layer, expert]))
             h = self.handles[layer][expert]
             version = h.versions.get(pool) if pool is not None else None
-            if version is not None and version.slot == table[1, layer, expert]:
+            if version is not None and version.slot == table[layer, 1 + pools[layer, expert], expert]:
                 self._touch(h, pool)
                 if version.prefetched:
                     version.prefetched = False

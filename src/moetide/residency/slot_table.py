@@ -5,11 +5,15 @@ format (`PoolFormat`): the hi pool's dense rows (checkpoint dtype) or the lo poo
 (int4/int2, each projection in its own bit width). The *slot table* of a layer maps each expert
 to `(pool id, slot)`:
 
-    pool_of (E,) int32   index into the pools list, or -1: no version to run (the expert adds 0)
-    slot_of (E,) int32   the row of that pool's arena
+    pool_of (E,) int32     index into the pools list, or -1: no version to run (the expert adds 0)
+    slot_of (P, E) int32   the row of each pool's arena that holds the expert's version there (or
+                           (E,): one row number whatever the pool, for tables that never change)
 
 The table is device memory: the kernel reads it, so the host never resolves a version in the
-forward pass. Who writes it (the residency core) decides which version a step uses.
+forward pass. Who writes it (the residency core) decides which version a step uses. A slot row per
+pool lets a copy stream switch an expert to a new version while a step runs, with no torn entry:
+it writes the new pool's slot first (no reader looks there yet), then `pool_of` (one 4-byte word);
+a reader sees the old version or the new one, each with its own slot.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from dataclasses import dataclass
 import torch
 
 NOT_RESIDENT = -1
+
+
+def slot_in_pool(slot_of: torch.Tensor, pool: int, expert: int):
+    """The slot of `expert` in pool `pool`: `slot_of[pool, expert]` for a (P, E) table, else
+    `slot_of[expert]` (a scalar tensor)."""
+    return slot_of[pool, expert] if slot_of.dim() == 2 else slot_of[expert]
 
 
 @dataclass(frozen=True)

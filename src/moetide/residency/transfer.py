@@ -57,10 +57,15 @@ class CudaTransfer:
         self.demand_stream = torch.cuda.Stream(device, priority=-1)
         self.migration_stream = torch.cuda.Stream(device, priority=0)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, priority: int) -> torch.cuda.Event:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, priority: int, then=()) -> torch.cuda.Event:
+        """Copy `src` (pinned host) into `dst` on a side stream; then, on the same stream and in
+        order, each `(device word, pinned word)` of `then` (the table entries that publish the copy:
+        they can only land after it). The event completes after all of them."""
         stream = self.demand_stream if priority == PRIORITY_DEMAND else self.migration_stream
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+            for word, value in then:
+                word.copy_(value, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return event
@@ -92,16 +97,18 @@ class CpuTransfer:
         self._thread = threading.Thread(target=self._run, name="moetide-copy", daemon=True)
         self._thread.start()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, priority: int) -> ThreadEvent:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, priority: int, then=()) -> ThreadEvent:
+        """As `CudaTransfer.copy`: the words of `then` are written after the copy, in order."""
         event = ThreadEvent()
-        self._jobs.put((priority, next(self._order), dst, src, event))
+        self._jobs.put((priority, next(self._order), dst, src, (event, tuple(then))))
         return event
 
     def _run(self) -> None:
         while True:
-            _, _, dst, src, event = self._jobs.get()
-            if event is None:
+            _, _, dst, src, job = self._jobs.get()
+            if job is None:
                 return
+            event, then = job
             if self.poison:
                 dst.fill_(POISON_BYTE)
             n = src.numel()
@@ -111,11 +118,13 @@ class CpuTransfer:
                 dst[start:end].copy_(src[start:end])
                 if self.bandwidth is not None:
                     time.sleep((end - start) / self.bandwidth)
+            for word, value in then:
+                word.copy_(value)
             event.set()
 
     def compute_marker(self) -> DoneEvent:
         return DoneEvent()
 
     def close(self) -> None:
-        self._jobs.put((-1, -1, None, None, None))
+        self._jobs.put((-1, -1, None, None, None))  # job None: stop
         self._thread.join(timeout=5)
