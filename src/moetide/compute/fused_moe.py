@@ -62,6 +62,7 @@ def _tile_product(
     K: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    SUB_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -71,12 +72,19 @@ def _tile_product(
 
     Dense (BITS >= 8): W row-major at `data_off` elements. Packed: codes row-major at `data_off`
     bytes, K // (8 // BITS) bytes per row, element k at bits (k % per_byte) * BITS of byte
-    k // per_byte; float16 scale/offset (N, K // GROUP) at `scale_off` / `offset_off` elements.
-    A packed tile is loaded as whole bytes (contiguous along K, so the loads are wide) and never
-    interleaved back into K order: field f of every byte holds the elements k0 + j * per_byte + f,
-    so it is dotted with that strided slice of `a` (int4: two dots per tile, int2: four). The tile
-    lies inside one group (GROUP % BLOCK_K == 0): one scale and offset per column. Dequantized
-    weights are rounded to a's dtype before the dot, as the reference's weights are."""
+    k // per_byte; float16 scale/offset (N, K // GROUP) at `scale_off` / `offset_off` elements,
+    w = code * scale + offset.
+
+    A packed tile is BLOCK_K // SUB_K sub-tiles, each inside one group (SUB_K divides GROUP), so
+    its weights are w[n, k] = s[n] * c[n, k] + o[n] and the scale and offset come out of the dot:
+        a . w[n] = s[n] * (a . c[n]) + o[n] * sum(a).
+    The dot operand is the raw codes, made a float by bit tricks (`_code_operand`, exact), with no
+    per-weight multiply-add and no float32 round trip. Sub-tiles are loaded as whole bytes (contiguous
+    along K, so the loads are wide) and never interleaved back into K order: field f of every byte
+    holds the elements ks + j * per_byte + f, so it is dotted with that strided slice of `a` (int4:
+    two dots per sub-tile, int2: four). Unlike the reference (weights dequantized, rounded to a's
+    dtype, then the matmul), nothing is rounded before the float32 accumulation: the result differs
+    from it by the reference's own rounding of the weights, within a's precision."""
     dtype = a_ptr.dtype.element_ty
     if BITS >= 8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -88,22 +96,58 @@ def _tile_product(
         return _mm(a, w.to(dtype), BLOCK_M, DOT_PRECISION)
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
-        BYTES_K: tl.constexpr = BLOCK_K // PER_BYTE
+        SUB_BYTES: tl.constexpr = SUB_K // PER_BYTE
         ROW_BYTES: tl.constexpr = K // PER_BYTE
-        offs_b = k0 // PER_BYTE + tl.arange(0, BYTES_K)
-        b_mask = offs_b < ROW_BYTES
-        w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES + offs_b[:, None]
-        packed = tl.load(w_ptrs, mask=b_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)  # (BYTES_K, N)
-        params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
-        scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        MASK: tl.constexpr = (1 << BITS) - 1
+        codes_ptr = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES
+        params = param_ptr + row * row_param + offs_n * (K // GROUP)
         acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
-        for f in tl.static_range(PER_BYTE):
-            a = tl.load(a_ptr + a_rows[:, None] * stride_a + (offs_b * PER_BYTE + f)[None, :],
-                        mask=a_mask[:, None] & b_mask[None, :], other=0.0)  # fmt: skip
-            codes = ((packed >> (f * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-            acc += _mm(a, (codes * scale + offset).to(dtype), BLOCK_M, DOT_PRECISION)
+        for sub in tl.static_range(BLOCK_K // SUB_K):
+            ks = k0 + sub * SUB_K
+            offs_b = ks // PER_BYTE + tl.arange(0, SUB_BYTES)
+            b_mask = offs_b < ROW_BYTES
+            packed = tl.load(codes_ptr + offs_b[:, None], mask=b_mask[:, None] & n_mask[None, :], other=0)
+            packed = packed.to(tl.int16)  # (SUB_BYTES, N)
+            p_mask = n_mask & (offs_n * 0 + ks < K)  # a sub-tile past K (BLOCK_K not dividing K)
+            scale = tl.load(params + scale_off + ks // GROUP, mask=p_mask, other=0.0).to(tl.float32)
+            offset = tl.load(params + offset_off + ks // GROUP, mask=p_mask, other=0.0).to(tl.float32)
+            code_dot = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+            a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for f in tl.static_range(PER_BYTE):
+                a = tl.load(a_ptr + a_rows[:, None] * stride_a + (offs_b * PER_BYTE + f)[None, :],
+                            mask=a_mask[:, None] & b_mask[None, :], other=0.0)  # fmt: skip
+                codes = _code_operand((packed >> (f * BITS)) & MASK, dtype, BLOCK_M)
+                code_dot += _mm(a, codes, BLOCK_M, DOT_PRECISION)
+                a_sum += tl.sum(a.to(tl.float32), axis=1)
+            # the operand is code + bias: take bias * sum(a) back out with the offset term
+            shift = offset - _code_bias(dtype, BLOCK_M) * scale
+            acc += code_dot * scale[None, :] + a_sum[:, None] * shift[None, :]
         return acc
+
+
+@triton.jit
+def _code_operand(field, dtype: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Codes (small non-negative int16) as the dot operand, code + `_code_bias`, exactly, by setting
+    them as the low mantissa bits of a float (no int -> float convert): bf16 0x4300 | c = 128 + c,
+    fp16 0x6400 | c = 1024 + c; float32 (float32 activations and the GEMV tiles, which multiply in
+    float32) 0x4B000000 | c = 2^23 + c, minus 2^23."""
+    if BLOCK_M > 1 and dtype == tl.bfloat16:
+        return (field | 0x4300).to(tl.bfloat16, bitcast=True)
+    elif BLOCK_M > 1 and dtype == tl.float16:
+        return (field | 0x6400).to(tl.float16, bitcast=True)
+    else:
+        return (field.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _code_bias(dtype: tl.constexpr, BLOCK_M: tl.constexpr):
+    """What `_code_operand` adds to each code."""
+    if BLOCK_M > 1 and dtype == tl.bfloat16:
+        return 128.0
+    elif BLOCK_M > 1 and dtype == tl.float16:
+        return 1024.0
+    else:
+        return 0.0
 
 
 # Triton's interpreter (CPU tests) computes tl.dot of bf16 operands wrongly (triton 3.9: errors of
@@ -162,6 +206,7 @@ def _gate_up_kernel(
     INTER: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    SUB_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -181,10 +226,10 @@ def _gate_up_kernel(
         for k0 in range(0, HIDDEN, BLOCK_K):
             acc_gate += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
                                       row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, HIDDEN,
-                                      BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+                                      BITS, GROUP, SUB_K, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
             acc_up += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
                                     row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask, k0,
-                                    HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+                                    HIDDEN, BITS, GROUP, SUB_K, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
         h_ptrs = h_ptr + offs_m[:, None] * INTER + offs_n[None, :]
         tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
@@ -212,6 +257,7 @@ def _down_kernel(
     INTER: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    SUB_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -228,7 +274,7 @@ def _down_kernel(
         for k0 in range(0, INTER, BLOCK_K):
             acc += _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param,
                                  data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP,
-                                 BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+                                 SUB_K, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
         weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
         y_ptrs = y_ptr + pair[:, None] * HIDDEN + offs_n[None, :]
         tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
@@ -270,7 +316,7 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
     """One launch of `kernel` over `pool`'s rows for one projection (`matrix`), its tiles from `config`."""
     data = pool.data_view(matrix)
     params = pool.param_view()
-    block_k = config.block_k if not matrix.packed else min(config.block_k, matrix.group_size)
+    group = max(matrix.group_size, 1)
     kernel[grid](
         **args,
         POOL_ID=pool_id,
@@ -282,20 +328,27 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
         scale_off=matrix.scale_offset,
         offset_off=matrix.offset_offset,
         BITS=matrix.bits,
-        GROUP=max(matrix.group_size, 1),
+        GROUP=group,
+        SUB_K=_sub_k(config, matrix),
         BLOCK_N=config.block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
 
 
+def _sub_k(config: KernelConfig, matrix: MatrixFormat) -> int:
+    """The K-width of a packed sub-tile: a power of two inside one group (dense: unused, 1)."""
+    group = max(matrix.group_size, 1)
+    return min(config.block_k, group & -group)
+
+
 def _fit_packed_tiles(config: KernelConfig, pools: list[Pool | None]) -> KernelConfig:
-    """tl.dot needs 16 bytes of packed codes per K-tile; groups smaller than that (tiles lie inside
-    one group) leave only the GEMV tiles (block_m 1), which take any tile width."""
+    """tl.dot needs 16 bytes of packed codes per K-sub-tile; groups smaller than that (sub-tiles lie
+    inside one group) leave only the GEMV tiles (block_m 1), which take any tile width."""
     for pool in pools:
         for m in (pool.format.gate_up, pool.format.down) if pool is not None else ():
-            if m.packed and config.block_m > 1 and min(config.block_k, m.group_size) * m.bits // 8 < 16:
+            if m.packed and config.block_m > 1 and _sub_k(config, m) * m.bits // 8 < 16:
                 return replace(config, block_m=1)
     return config
 
