@@ -58,6 +58,7 @@ def _tile_product(
     offset_off,
     offs_n,
     n_mask,
+    second,
     k0,
     K: tl.constexpr,
     BITS: tl.constexpr,
@@ -65,10 +66,13 @@ def _tile_product(
     SUB_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TWO: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """a[a_rows, k0 : k0 + BLOCK_K] @ W[offs_n, k0 : k0 + BLOCK_K]^T -> (BLOCK_M, BLOCK_N) float32,
-    W (N, K) being one matrix of pool row `row`.
+    W (N, K) being one matrix of pool row `row`; with TWO also the product with W's rows
+    `offs_n + second` (gate and up: one activation tile, its loads and row sums, for both), else
+    zeros in its place.
 
     Dense (BITS >= 8): W row-major at `data_off` elements. Packed: codes row-major at `data_off`
     bytes, K // (8 // BITS) bytes per row, element k at bits (k % per_byte) * BITS of byte
@@ -79,21 +83,26 @@ def _tile_product(
     its weights are w[n, k] = s[n] * c[n, k] + o[n] and the scale and offset come out of the dot:
         a . w[n] = s[n] * (a . c[n]) + o[n] * sum(a).
     The dot operand is the raw codes, made a float by bit tricks (`_code_operand`, exact), with no
-    per-weight multiply-add and no float32 round trip. Sub-tiles are loaded as whole bytes (contiguous
+    per-weight multiply-add and no float32 round trip; sum(a) is one more dot, with ones, so it comes
+    out in the accumulator's layout (`_row_sums`). Sub-tiles are loaded as whole bytes (contiguous
     along K, so the loads are wide) and never interleaved back into K order: field f of every byte
     holds the elements ks + j * per_byte + f, so it is dotted with that strided slice of `a` (int4:
     two dots per sub-tile, int2: four). Unlike the reference (weights dequantized, rounded to a's
     dtype, then the matmul), nothing is rounded before the float32 accumulation: the result differs
     from it by the reference's own rounding of the weights, within a's precision."""
     dtype = a_ptr.dtype.element_ty
+    acc0 = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
     if BITS >= 8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :], mask=a_mask[:, None] & k_mask[None, :],
                     other=0.0)  # fmt: skip
         w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * K + offs_k[:, None]
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        return _mm(a, w.to(dtype), BLOCK_M, DOT_PRECISION)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        acc0 = _mm(a, tl.load(w_ptrs, mask=w_mask, other=0.0).to(dtype), BLOCK_M, DOT_PRECISION)
+        if TWO:
+            acc1 = _mm(a, tl.load(w_ptrs + second * K, mask=w_mask, other=0.0).to(dtype), BLOCK_M, DOT_PRECISION)
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
         SUB_BYTES: tl.constexpr = SUB_K // PER_BYTE
@@ -101,28 +110,50 @@ def _tile_product(
         MASK: tl.constexpr = (1 << BITS) - 1
         codes_ptr = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES
         params = param_ptr + row * row_param + offs_n * (K // GROUP)
-        acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
         for sub in tl.static_range(BLOCK_K // SUB_K):
             ks = k0 + sub * SUB_K
             offs_b = ks // PER_BYTE + tl.arange(0, SUB_BYTES)
             b_mask = offs_b < ROW_BYTES
-            packed = tl.load(codes_ptr + offs_b[:, None], mask=b_mask[:, None] & n_mask[None, :], other=0)
-            packed = packed.to(tl.int16)  # (SUB_BYTES, N)
+            c_mask = b_mask[:, None] & n_mask[None, :]
             p_mask = n_mask & (offs_n * 0 + ks < K)  # a sub-tile past K (BLOCK_K not dividing K)
-            scale = tl.load(params + scale_off + ks // GROUP, mask=p_mask, other=0.0).to(tl.float32)
-            offset = tl.load(params + offset_off + ks // GROUP, mask=p_mask, other=0.0).to(tl.float32)
-            code_dot = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
-            a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            p_ptrs = params + ks // GROUP
+            packed0 = tl.load(codes_ptr + offs_b[:, None], mask=c_mask, other=0).to(tl.int16)  # (SUB_BYTES, N)
+            scale0 = tl.load(p_ptrs + scale_off, mask=p_mask, other=0.0).to(tl.float32)
+            # the operand is code + bias: bias * sum(a) comes back out with the offset term
+            shift0 = tl.load(p_ptrs + offset_off, mask=p_mask, other=0.0).to(tl.float32) - _code_bias(dtype, BLOCK_M) * scale0
+            packed1, scale1, shift1 = packed0, scale0, shift0
+            if TWO:
+                packed1 = tl.load(codes_ptr + second * ROW_BYTES + offs_b[:, None], mask=c_mask, other=0)
+                packed1 = packed1.to(tl.int16)
+                p_ptrs += second * (K // GROUP)
+                scale1 = tl.load(p_ptrs + scale_off, mask=p_mask, other=0.0).to(tl.float32)
+                shift1 = tl.load(p_ptrs + offset_off, mask=p_mask, other=0.0).to(tl.float32) - _code_bias(dtype, BLOCK_M) * scale1
+            dot0 = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+            dot1 = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+            a_sum = tl.zeros((BLOCK_M, offs_n.shape[0] if BLOCK_M > 1 else 1), dtype=tl.float32)
             for f in tl.static_range(PER_BYTE):
                 a = tl.load(a_ptr + a_rows[:, None] * stride_a + (offs_b * PER_BYTE + f)[None, :],
                             mask=a_mask[:, None] & b_mask[None, :], other=0.0)  # fmt: skip
-                codes = _code_operand((packed >> (f * BITS)) & MASK, dtype, BLOCK_M)
-                code_dot += _mm(a, codes, BLOCK_M, DOT_PRECISION)
-                a_sum += tl.sum(a.to(tl.float32), axis=1)
-            # the operand is code + bias: take bias * sum(a) back out with the offset term
-            shift = offset - _code_bias(dtype, BLOCK_M) * scale
-            acc += code_dot * scale[None, :] + a_sum[:, None] * shift[None, :]
-        return acc
+                dot0 += _mm(a, _code_operand((packed0 >> (f * BITS)) & MASK, dtype, BLOCK_M), BLOCK_M, DOT_PRECISION)
+                if TWO:
+                    dot1 += _mm(a, _code_operand((packed1 >> (f * BITS)) & MASK, dtype, BLOCK_M), BLOCK_M,
+                                DOT_PRECISION)  # fmt: skip
+                a_sum += _row_sums(a, offs_n.shape[0], BLOCK_M, DOT_PRECISION)
+            acc0 += dot0 * scale0[None, :] + a_sum * shift0[None, :]
+            if TWO:
+                acc1 += dot1 * scale1[None, :] + a_sum * shift1[None, :]
+    return acc0, acc1
+
+
+@triton.jit
+def _row_sums(a, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """sum(a, axis=1) of a (BLOCK_M, K) in float32: GEMV (BLOCK_M 1) (1, 1); else a @ ones (BLOCK_M,
+    BLOCK_N), every column the sum, computed by the tensor cores straight into the accumulator's
+    layout (a reduction over K would shuffle across threads)."""
+    if BLOCK_M == 1:
+        return tl.sum(a.to(tl.float32), axis=1)[:, None]
+    else:
+        return _mm(a, tl.full((a.shape[1], BLOCK_N), 1.0, a.dtype), BLOCK_M, DOT_PRECISION)
 
 
 @triton.jit
@@ -222,17 +253,15 @@ def _gate_up_kernel(
         token = pair // TOP_K
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        dtype = x_ptr.dtype.element_ty
         for k0 in range(0, HIDDEN, BLOCK_K):
-            acc_gate += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
-                                      row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, HIDDEN,
-                                      BITS, GROUP, SUB_K, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
-            acc_up += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
-                                    row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask, k0,
-                                    HIDDEN, BITS, GROUP, SUB_K, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            gate, up = _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data, row_param,
+                                     data_off, scale_off, offset_off, offs_n, n_mask, INTER, k0, HIDDEN, BITS, GROUP,
+                                     SUB_K, BLOCK_M, BLOCK_K, True, DOT_PRECISION)  # fmt: skip
+            acc_gate += gate
+            acc_up += up
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
         h_ptrs = h_ptr + offs_m[:, None] * INTER + offs_n[None, :]
-        tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(h_ptrs, h.to(x_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -272,9 +301,10 @@ def _down_kernel(
         n_mask = offs_n < HIDDEN
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
-            acc += _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param,
-                                 data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP,
-                                 SUB_K, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            part, _ = _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param,
+                                    data_off, scale_off, offset_off, offs_n, n_mask, 0, k0, INTER, BITS, GROUP, SUB_K,
+                                    BLOCK_M, BLOCK_K, False, DOT_PRECISION)  # fmt: skip
+            acc += part
         weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
         y_ptrs = y_ptr + pair[:, None] * HIDDEN + offs_n[None, :]
         tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
