@@ -43,7 +43,7 @@ from ..residency.slot_table import MatrixFormat, Pool
 
 
 @triton.jit
-def _tile_product(
+def _matmul(
     a_ptr,
     a_rows,
     stride_a,
@@ -59,90 +59,255 @@ def _tile_product(
     offs_n,
     n_mask,
     second,
-    k0,
     K: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     SUB_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TWO: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """a[a_rows, k0 : k0 + BLOCK_K] @ W[offs_n, k0 : k0 + BLOCK_K]^T -> (BLOCK_M, BLOCK_N) float32,
-    W (N, K) being one matrix of pool row `row`; with TWO also the product with W's rows
-    `offs_n + second` (gate and up: one activation tile, its loads and row sums, for both), else
-    zeros in its place.
+    """a[a_rows, :K] @ W[offs_n, :K]^T -> (BLOCK_M, BLOCK_N) float32, W (N, K) being one matrix of
+    pool row `row`; with TWO also the product with W's rows `offs_n + second` (gate and up: one
+    activation tile, its loads and row sums, for both), else zeros in its place.
 
     Dense (BITS >= 8): W row-major at `data_off` elements. Packed: codes row-major at `data_off`
     bytes, K // (8 // BITS) bytes per row, element k at bits (k % per_byte) * BITS of byte
     k // per_byte; float16 scale/offset (N, K // GROUP) at `scale_off` / `offset_off` elements,
-    w = code * scale + offset.
-
-    A packed tile is BLOCK_K // SUB_K sub-tiles, each inside one group (SUB_K divides GROUP), so
-    its weights are w[n, k] = s[n] * c[n, k] + o[n] and the scale and offset come out of the dot:
-        a . w[n] = s[n] * (a . c[n]) + o[n] * sum(a).
-    The dot operand is the raw codes, made a float by bit tricks (`_code_operand`, exact), with no
-    per-weight multiply-add and no float32 round trip; sum(a) is one more dot, with ones, so it comes
-    out in the accumulator's layout (`_row_sums`). Sub-tiles are loaded as whole bytes (contiguous
-    along K, so the loads are wide) and never interleaved back into K order: field f of every byte
-    holds the elements ks + j * per_byte + f, so it is dotted with that strided slice of `a` (int4:
-    two dots per sub-tile, int2: four). Unlike the reference (weights dequantized, rounded to a's
-    dtype, then the matmul), nothing is rounded before the float32 accumulation: the result differs
-    from it by the reference's own rounding of the weights, within a's precision."""
+    w = code * scale + offset; a K-tile is BLOCK_K // SUB_K sub-tiles (`_packed_sub`), each inside
+    one group. tl.dot tiles (BLOCK_M > 1) of packed matrices take one sub-tile per step
+    (BLOCK_K == SUB_K) and load the next step's activations and group parameters a step ahead: the
+    compiler pipelines only the loads that feed a dot as they are (here the codes), and the
+    activations are split into bit fields before theirs."""
     dtype = a_ptr.dtype.element_ty
-    acc0 = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BITS >= 8:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :], mask=a_mask[:, None] & k_mask[None, :],
-                    other=0.0)  # fmt: skip
-        w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * K + offs_k[:, None]
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        acc0 = _mm(a, tl.load(w_ptrs, mask=w_mask, other=0.0).to(dtype), BLOCK_M, DOT_PRECISION)
-        if TWO:
-            acc1 = _mm(a, tl.load(w_ptrs + second * K, mask=w_mask, other=0.0).to(dtype), BLOCK_M, DOT_PRECISION)
+        w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * K
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = _act_tile(a_ptr, a_rows, stride_a, a_mask, k0, K, BLOCK_K)
+            w_mask = (offs_k < K)[:, None] & n_mask[None, :]
+            acc0 += _mm(a, tl.load(w_ptrs + offs_k[:, None], mask=w_mask, other=0.0).to(dtype), BLOCK_M,
+                        DOT_PRECISION)  # fmt: skip
+            if TWO:
+                w = tl.load(w_ptrs + second * K + offs_k[:, None], mask=w_mask, other=0.0)
+                acc1 += _mm(a, w.to(dtype), BLOCK_M, DOT_PRECISION)
     else:
-        PER_BYTE: tl.constexpr = 8 // BITS
-        SUB_BYTES: tl.constexpr = SUB_K // PER_BYTE
-        ROW_BYTES: tl.constexpr = K // PER_BYTE
-        MASK: tl.constexpr = (1 << BITS) - 1
-        codes_ptr = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES
+        codes_ptr = data_ptr + row * row_data + data_off + offs_n[None, :] * (K * BITS // 8)
         params = param_ptr + row * row_param + offs_n * (K // GROUP)
+        bias = _code_bias(dtype, BLOCK_M)
+        if BLOCK_M > 1:
+            tl.static_assert(BLOCK_K == SUB_K, "packed tl.dot tiles take one sub-tile per step")
+            a_next = _act_tile(a_ptr, a_rows, stride_a, a_mask, 0, K, SUB_K)
+            scale0_next, shift0_next = _group_params(params, scale_off, offset_off, n_mask, 0, K, GROUP, bias)
+            scale1_next, shift1_next = scale0_next, shift0_next
+            if TWO:
+                scale1_next, shift1_next = _group_params(params + second * (K // GROUP), scale_off, offset_off, n_mask,
+                                                         0, K, GROUP, bias)  # fmt: skip
+            for k0 in range(0, K, SUB_K):
+                a, scale0, shift0, scale1, shift1 = a_next, scale0_next, shift0_next, scale1_next, shift1_next
+                a_next = _act_tile(a_ptr, a_rows, stride_a, a_mask, k0 + SUB_K, K, SUB_K)
+                scale0_next, shift0_next = _group_params(params, scale_off, offset_off, n_mask, k0 + SUB_K, K, GROUP,
+                                                         bias)  # fmt: skip
+                if TWO:
+                    scale1_next, shift1_next = _group_params(params + second * (K // GROUP), scale_off, offset_off,
+                                                             n_mask, k0 + SUB_K, K, GROUP, bias)  # fmt: skip
+                part0, part1 = _packed_sub(a, codes_ptr, second, n_mask, k0, scale0, shift0, scale1, shift1, K, BITS,
+                                           SUB_K, BLOCK_M, BLOCK_N, TWO, DOT_PRECISION)  # fmt: skip
+                acc0 += part0
+                acc1 += part1
+        else:  # GEMV: weights dequantized in float32 into per-element accumulators, reduced once at the end
+            acc0, acc1 = _gemv_packed(a_ptr, a_rows, stride_a, a_mask, codes_ptr, params, scale_off, offset_off,
+                                      n_mask, second, K, BITS, GROUP, SUB_K, BLOCK_N, BLOCK_K, TWO)  # fmt: skip
+    return acc0, acc1
+
+
+@triton.jit
+def _gemv_packed(
+    a_ptr,
+    a_rows,
+    stride_a,
+    a_mask,
+    codes_ptr,
+    params,
+    scale_off,
+    offset_off,
+    n_mask,
+    second,
+    K: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SUB_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TWO: tl.constexpr,
+):
+    """The packed product of `_matmul` for one activation row (BLOCK_M 1), without tl.dot: every
+    weight dequantized in float32 (`_top_mantissa`: a shift, an and-or, then one multiply-add with
+    the group's scale and offset) and multiplied into an accumulator per (byte, column), which is
+    summed over K once after the loop (a sum per tile would reduce across threads every step).
+    Codes are loaded as whole bytes, field f multiplied with the strided slice of a it holds (as in
+    `_packed_sub`). -> ((1, BLOCK_N), (1, BLOCK_N)) float32."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    SUB_BYTES: tl.constexpr = SUB_K // PER_BYTE
+    ROW_BYTES: tl.constexpr = K // PER_BYTE
+    MASK: tl.constexpr = (1 << BITS) - 1
+    part0 = tl.zeros((SUB_BYTES, BLOCK_N), dtype=tl.float32)
+    part1 = tl.zeros((SUB_BYTES, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         for sub in tl.static_range(BLOCK_K // SUB_K):
             ks = k0 + sub * SUB_K
             offs_b = ks // PER_BYTE + tl.arange(0, SUB_BYTES)
             b_mask = offs_b < ROW_BYTES
             c_mask = b_mask[:, None] & n_mask[None, :]
-            p_mask = n_mask & (offs_n * 0 + ks < K)  # a sub-tile past K (BLOCK_K not dividing K)
-            p_ptrs = params + ks // GROUP
-            packed0 = tl.load(codes_ptr + offs_b[:, None], mask=c_mask, other=0).to(tl.int16)  # (SUB_BYTES, N)
-            scale0 = tl.load(p_ptrs + scale_off, mask=p_mask, other=0.0).to(tl.float32)
-            # the operand is code + bias: bias * sum(a) comes back out with the offset term
-            shift0 = tl.load(p_ptrs + offset_off, mask=p_mask, other=0.0).to(tl.float32) - _code_bias(dtype, BLOCK_M) * scale0
-            packed1, scale1, shift1 = packed0, scale0, shift0
+            packed0 = tl.load(codes_ptr + offs_b[:, None], mask=c_mask, other=0).to(tl.int32)  # (SUB_BYTES, N)
+            scale0, offset0 = _group_params(params, scale_off, offset_off, n_mask, ks, K, GROUP, 0.0)
+            packed1, scale1, offset1 = packed0, scale0, offset0
             if TWO:
-                packed1 = tl.load(codes_ptr + second * ROW_BYTES + offs_b[:, None], mask=c_mask, other=0)
-                packed1 = packed1.to(tl.int16)
-                p_ptrs += second * (K // GROUP)
-                scale1 = tl.load(p_ptrs + scale_off, mask=p_mask, other=0.0).to(tl.float32)
-                shift1 = tl.load(p_ptrs + offset_off, mask=p_mask, other=0.0).to(tl.float32) - _code_bias(dtype, BLOCK_M) * scale1
-            dot0 = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
-            dot1 = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
-            a_sum = tl.zeros((BLOCK_M, offs_n.shape[0] if BLOCK_M > 1 else 1), dtype=tl.float32)
-            for f in tl.static_range(PER_BYTE):
-                a = tl.load(a_ptr + a_rows[:, None] * stride_a + (offs_b * PER_BYTE + f)[None, :],
-                            mask=a_mask[:, None] & b_mask[None, :], other=0.0)  # fmt: skip
-                dot0 += _mm(a, _code_operand((packed0 >> (f * BITS)) & MASK, dtype, BLOCK_M), BLOCK_M, DOT_PRECISION)
-                if TWO:
-                    dot1 += _mm(a, _code_operand((packed1 >> (f * BITS)) & MASK, dtype, BLOCK_M), BLOCK_M,
-                                DOT_PRECISION)  # fmt: skip
-                a_sum += _row_sums(a, offs_n.shape[0], BLOCK_M, DOT_PRECISION)
-            acc0 += dot0 * scale0[None, :] + a_sum * shift0[None, :]
-            if TWO:
-                acc1 += dot1 * scale1[None, :] + a_sum * shift1[None, :]
-    return acc0, acc1
+                packed1 = tl.load(codes_ptr + second * ROW_BYTES + offs_b[:, None], mask=c_mask, other=0).to(tl.int32)
+                scale1, offset1 = _group_params(params + second * (K // GROUP), scale_off, offset_off, n_mask, ks, K,
+                                                GROUP, 0.0)  # fmt: skip
+            # w = c * s + o = (1 + c / 16) * 16 s + (o - 16 s), 1 + c / 16 being the code set as the top
+            # mantissa bits of 1.0 (exact): one shift, one and-or and one multiply-add per weight
+            scale0, offset0 = scale0 * 16.0, offset0 - scale0 * 16.0
+            scale1, offset1 = scale1 * 16.0, offset1 - scale1 * 16.0
+            # the activations of the sub-tile as one contiguous load, split into the fields' slices
+            a = tl.reshape(_act_tile(a_ptr, a_rows, stride_a, a_mask, ks, K, SUB_K), (SUB_BYTES, PER_BYTE))
+            tl.static_assert(BITS == 4 or BITS == 2, "packed codes are int4 or int2")
+            if BITS == 4:
+                a0, a1 = tl.split(a)
+                p0, p1 = _gemv_field(a0, packed0, scale0, offset0, packed1, scale1, offset1, 0, BITS, TWO)
+                part0, part1 = part0 + p0, part1 + p1
+                p0, p1 = _gemv_field(a1, packed0, scale0, offset0, packed1, scale1, offset1, 1, BITS, TWO)
+                part0, part1 = part0 + p0, part1 + p1
+            else:  # element 4j + 2p + q of the sub-tile is [j, p, q]: field f = 2p + q
+                even, odd = tl.split(tl.reshape(a, (SUB_BYTES, 2, 2)))
+                a0, a2 = tl.split(even)
+                a1, a3 = tl.split(odd)
+                p0, p1 = _gemv_field(a0, packed0, scale0, offset0, packed1, scale1, offset1, 0, BITS, TWO)
+                part0, part1 = part0 + p0, part1 + p1
+                p0, p1 = _gemv_field(a1, packed0, scale0, offset0, packed1, scale1, offset1, 1, BITS, TWO)
+                part0, part1 = part0 + p0, part1 + p1
+                p0, p1 = _gemv_field(a2, packed0, scale0, offset0, packed1, scale1, offset1, 2, BITS, TWO)
+                part0, part1 = part0 + p0, part1 + p1
+                p0, p1 = _gemv_field(a3, packed0, scale0, offset0, packed1, scale1, offset1, 3, BITS, TWO)
+                part0, part1 = part0 + p0, part1 + p1
+    return tl.sum(part0, axis=0)[None, :], tl.sum(part1, axis=0)[None, :]
+
+
+@triton.jit
+def _gemv_field(a, packed0, scale0, offset0, packed1, scale1, offset1, F: tl.constexpr, BITS: tl.constexpr,
+                TWO: tl.constexpr):  # fmt: skip
+    """Field F of a GEMV sub-tile: a (SUB_BYTES,) * w, w from the field of packed (SUB_BYTES, N) int32
+    as (1 + c / 16) * scale + offset, scale and offset already rescaled by `_gemv_packed`."""
+    a = a.to(tl.float32)[:, None]
+    part0 = a * (_top_mantissa(packed0, F, BITS) * scale0[None, :] + offset0[None, :])
+    part1 = part0
+    if TWO:
+        part1 = a * (_top_mantissa(packed1, F, BITS) * scale1[None, :] + offset1[None, :])
+    return part0, part1
+
+
+@triton.jit
+def _top_mantissa(packed, F: tl.constexpr, BITS: tl.constexpr):
+    """Field F of every byte of packed (int32), c, as the float32 1 + c / 16 (c at mantissa bits 19 up)."""
+    SHIFT: tl.constexpr = 19 - F * BITS
+    return (((packed << SHIFT) & (((1 << BITS) - 1) << 19)) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _act_tile(a_ptr, a_rows, stride_a, a_mask, k0, K: tl.constexpr, WIDTH: tl.constexpr):
+    """a[a_rows, k0 : k0 + WIDTH] (zeros past K): (BLOCK_M, WIDTH), contiguous along K."""
+    offs_k = k0 + tl.arange(0, WIDTH)
+    return tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :], mask=a_mask[:, None] & (offs_k < K)[None, :],
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _group_params(params, scale_off, offset_off, n_mask, ks, K: tl.constexpr, GROUP: tl.constexpr, bias):
+    """(scale, offset - bias * scale) float32 (BLOCK_N,) of the group holding element ks (past K: the
+    last group's, which multiply a tile of zeros)."""
+    p_ptrs = params + tl.minimum(ks // GROUP, K // GROUP - 1)
+    scale = tl.load(p_ptrs + scale_off, mask=n_mask, other=0.0).to(tl.float32)
+    return scale, tl.load(p_ptrs + offset_off, mask=n_mask, other=0.0).to(tl.float32) - bias * scale
+
+
+@triton.jit
+def _packed_sub(
+    a,
+    codes_ptr,
+    second,
+    n_mask,
+    ks,
+    scale0,
+    shift0,
+    scale1,
+    shift1,
+    K: tl.constexpr,
+    BITS: tl.constexpr,
+    SUB_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TWO: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """a (BLOCK_M, SUB_K) @ W[offs_n, ks : ks + SUB_K]^T for a packed W whose sub-tile lies inside one
+    group, and the same for rows `offs_n + second` (TWO; else a copy of the first).
+
+    Inside a group w[n, k] = s[n] * c[n, k] + o[n], so the scale and offset come out of the dot:
+        a . w[n] = s[n] * (a . c[n]) + o[n] * sum(a).
+    The dot operand is the raw codes, made a float by bit tricks (`_code_operand`, exact: code +
+    bias, the bias taken back out with the offset, `shift` = o - bias * s), with no per-weight
+    multiply-add and no float32 round trip; sum(a) is one more dot, with ones, so it comes out in the
+    accumulator's layout (`_row_sums`). The codes are loaded as whole bytes (contiguous along K, so
+    the loads are wide) and never interleaved back into K order: field f of every byte holds the
+    elements ks + j * per_byte + f, so it is dotted with that strided slice of `a`, split off in
+    registers (int4: two dots per sub-tile, int2: four). Unlike the reference (weights dequantized,
+    rounded to a's dtype, then the matmul), nothing is rounded before the float32 accumulation: the
+    result differs from it by the reference's own rounding of the weights, within a's precision."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    SUB_BYTES: tl.constexpr = SUB_K // PER_BYTE
+    ROW_BYTES: tl.constexpr = K // PER_BYTE
+    MASK: tl.constexpr = (1 << BITS) - 1
+    offs_b = ks // PER_BYTE + tl.arange(0, SUB_BYTES)
+    c_mask = (offs_b < ROW_BYTES)[:, None] & n_mask[None, :]
+    packed0 = tl.load(codes_ptr + offs_b[:, None], mask=c_mask, other=0).to(tl.int16)  # (SUB_BYTES, BLOCK_N)
+    packed1 = packed0
+    if TWO:
+        packed1 = tl.load(codes_ptr + second * ROW_BYTES + offs_b[:, None], mask=c_mask, other=0).to(tl.int16)
+    tl.static_assert(BITS == 4 or BITS == 2, "packed codes are int4 or int2")
+    if BITS == 4:
+        a0, a1 = tl.split(tl.reshape(a, (BLOCK_M, SUB_BYTES, 2)))
+        dot0, dot1, a_sum = _field(a0, packed0, packed1, 0, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        d0, d1, s = _field(a1, packed0, packed1, 4, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+    else:  # element 4j + 2p + q of the sub-tile is [j, p, q]: field f = 2p + q
+        even, odd = tl.split(tl.reshape(a, (BLOCK_M, SUB_BYTES, 2, 2)))
+        a0, a2 = tl.split(even)
+        a1, a3 = tl.split(odd)
+        dot0, dot1, a_sum = _field(a0, packed0, packed1, 0, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        d0, d1, s = _field(a1, packed0, packed1, 2, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+        d0, d1, s = _field(a2, packed0, packed1, 4, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+        d0, d1, s = _field(a3, packed0, packed1, 6, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+    return dot0 * scale0[None, :] + a_sum * shift0[None, :], dot1 * scale1[None, :] + a_sum * shift1[None, :]
+
+
+@triton.jit
+def _field(a, packed0, packed1, SHIFT: tl.constexpr, MASK: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One bit field of a packed sub-tile: (a @ codes0, a @ codes1 (TWO; else the first again),
+    sum(a) as `_row_sums`), a being the field's strided slice of the activations."""
+    dot0 = _mm(a, _code_operand((packed0 >> SHIFT) & MASK, a.dtype, BLOCK_M), BLOCK_M, DOT_PRECISION)
+    dot1 = dot0
+    if TWO:
+        dot1 = _mm(a, _code_operand((packed1 >> SHIFT) & MASK, a.dtype, BLOCK_M), BLOCK_M, DOT_PRECISION)
+    return dot0, dot1, _row_sums(a, BLOCK_N, BLOCK_M, DOT_PRECISION)
 
 
 @triton.jit
@@ -251,14 +416,9 @@ def _gate_up_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
         token = pair // TOP_K
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            gate, up = _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data, row_param,
-                                     data_off, scale_off, offset_off, offs_n, n_mask, INTER, k0, HIDDEN, BITS, GROUP,
-                                     SUB_K, BLOCK_M, BLOCK_K, True, DOT_PRECISION)  # fmt: skip
-            acc_gate += gate
-            acc_up += up
+        acc_gate, acc_up = _matmul(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data, row_param,
+                                   data_off, scale_off, offset_off, offs_n, n_mask, INTER, HIDDEN, BITS, GROUP, SUB_K,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, True, DOT_PRECISION)  # fmt: skip
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
         h_ptrs = h_ptr + offs_m[:, None] * INTER + offs_n[None, :]
         tl.store(h_ptrs, h.to(x_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -299,12 +459,9 @@ def _down_kernel(
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < HIDDEN
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            part, _ = _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param,
-                                    data_off, scale_off, offset_off, offs_n, n_mask, 0, k0, INTER, BITS, GROUP, SUB_K,
-                                    BLOCK_M, BLOCK_K, False, DOT_PRECISION)  # fmt: skip
-            acc += part
+        acc, _ = _matmul(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param, data_off,
+                         scale_off, offset_off, offs_n, n_mask, 0, INTER, BITS, GROUP, SUB_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                         False, DOT_PRECISION)  # fmt: skip
         weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
         y_ptrs = y_ptr + pair[:, None] * HIDDEN + offs_n[None, :]
         tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
@@ -347,6 +504,7 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
     data = pool.data_view(matrix)
     params = pool.param_view()
     group = max(matrix.group_size, 1)
+    sub_k = _sub_k(config, matrix)
     kernel[grid](
         **args,
         POOL_ID=pool_id,
@@ -359,9 +517,9 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
         offset_off=matrix.offset_offset,
         BITS=matrix.bits,
         GROUP=group,
-        SUB_K=_sub_k(config, matrix),
+        SUB_K=sub_k,
         BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
+        BLOCK_K=sub_k if matrix.packed and config.block_m > 1 else config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
