@@ -96,8 +96,9 @@ def time_layer(pool: Pool, num_tokens: int, hidden: int, experts: int, top_k: in
 
 
 def candidates(num_tokens: int):
-    """Tiles worth trying at `num_tokens`, the likeliest first. Packed sub-tiles lie inside one group
-    but a K-tile may span several groups, so block_k goes past the group sizes (64 / 128)."""
+    """Tiles worth trying at `num_tokens`, the likeliest first. GEMV tiles (block_m 1) of packed
+    matrices may span several groups along K, so their block_k goes past the group sizes (64 / 128);
+    packed tl.dot tiles take one group-sized sub-tile per step whatever block_k says (`effective`)."""
     gemv = [KernelConfig(1, bn, bk, w, 2) for bn, bk, w in
             ((32, 256, 4), (16, 256, 4), (32, 512, 4), (64, 256, 4), (16, 512, 4), (64, 128, 4), (32, 128, 4),
              (64, 512, 8), (128, 256, 8))]  # fmt: skip
@@ -105,8 +106,8 @@ def candidates(num_tokens: int):
         yield from gemv
         return
     small = [KernelConfig(16, bn, bk, w, s) for bn, bk, w, s in
-             ((64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4), (32, 128, 4, 3),
-              (128, 256, 8, 3), (256, 128, 8, 3), (64, 64, 4, 4), (128, 128, 8, 4))]  # fmt: skip
+             ((64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (128, 64, 8, 3),
+              (256, 64, 8, 3), (128, 128, 4, 3), (64, 64, 8, 4), (128, 64, 4, 4))]  # fmt: skip
     if num_tokens <= 8:  # ~1 pair per expert: GEMV tiles re-read an expert from L2 but need no sort
         yield from itertools.chain(*zip(small, gemv[:5]))
         yield from small[5:]
@@ -114,9 +115,22 @@ def candidates(num_tokens: int):
     if num_tokens <= 64:
         yield from small
         return
-    for bm, bn, bk, w, s in ((32, 128, 128, 4, 3), (64, 128, 64, 4, 3), (32, 128, 64, 4, 3), (64, 128, 128, 8, 3),
-                             (16, 128, 128, 4, 3), (32, 256, 128, 8, 3), (64, 64, 128, 4, 3), (32, 64, 128, 4, 4)):
+    for bm, bn, bk, w, s in ((32, 128, 64, 4, 3), (64, 128, 64, 4, 3), (32, 64, 64, 4, 3), (64, 128, 64, 8, 3),
+                             (16, 128, 64, 4, 3), (32, 256, 64, 8, 3), (64, 64, 64, 4, 3), (32, 128, 64, 4, 4),
+                             (64, 128, 128, 8, 3)):  # fmt: skip
         yield KernelConfig(bm, bn, bk, w, s)
+
+
+def effective(config: KernelConfig, pool: Pool) -> tuple:
+    """What the kernels of `pool` run with `config`: candidates equal here are one candidate."""
+    ks = []
+    for m in (pool.format.gate_up, pool.format.down):
+        if not m.packed:
+            ks.append(config.block_k)
+        else:
+            sub_k = fm._sub_k(config, m)
+            ks.append(sub_k if config.block_m > 1 else (config.block_k, sub_k))
+    return (config.block_m, config.block_n, config.num_warps, config.num_stages, *ks)
 
 
 def main() -> int:
@@ -151,11 +165,13 @@ def main() -> int:
             cell_end = time.perf_counter() + max(tune_deadline - time.perf_counter(), 0) / cells_left
             cells_left -= 1
             if args.tune:
+                seen = {effective(chosen, pool)}
                 for cfg in candidates(t):
                     if time.perf_counter() > cell_end:
                         break
-                    if cfg == chosen:
+                    if effective(cfg, pool) in seen:
                         continue
+                    seen.add(effective(cfg, pool))
                     try:
                         us, _, err = time_layer(pool, t, hidden, experts, top_k, cfg)
                     except Exception as e:  # a tile that does not fit in shared memory

@@ -367,15 +367,20 @@ def _mm(a, b, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID,
                 BLOCK_M: tl.constexpr):  # fmt: skip
-    """This program's block: (runs here?, pool row, sorted positions (BLOCK_M,), pairs, pair mask)."""
+    """This program's block: (runs here?, pool row, sorted positions (BLOCK_M,), pairs, pair mask).
+    GEMV (BLOCK_M 1): program i is pair i and `block_expert_ptr` the router's ids themselves (no
+    sort, `sorted_pair_ptr` unused)."""
     pid_m = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
     safe = tl.maximum(expert, 0)
     pool = tl.load(pool_of_ptr + safe)
     runs = (expert >= 0) & (pool == POOL_ID)
     row = tl.load(slot_of_ptr + safe).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ptr + offs_m)
+    if BLOCK_M == 1:
+        pair = offs_m
+    else:
+        pair = tl.load(sorted_pair_ptr + offs_m)
     return runs, row, offs_m.to(tl.int64), pair.to(tl.int64), pair < num_pairs
 
 
@@ -568,7 +573,10 @@ def fused_moe(
             config = replace(config, block_n=max(config.block_n, 128))
     config = _fit_packed_tiles(config, pools)
     hidden = hidden.contiguous()
-    sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), config.block_m)
+    if config.block_m == 1:  # every pair its own block: the kernels read the router's ids as they are
+        block_expert = sorted_pair = topk_ids.reshape(-1)
+    else:
+        sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), config.block_m)
     h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)
     y = torch.zeros(num_pairs, hidden_size, device=hidden.device, dtype=torch.float32)
     routing = topk_weights.contiguous().reshape(-1)
