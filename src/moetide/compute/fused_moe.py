@@ -268,46 +268,88 @@ def _packed_sub(
     registers (int4: two dots per sub-tile, int2: four). Unlike the reference (weights dequantized,
     rounded to a's dtype, then the matmul), nothing is rounded before the float32 accumulation: the
     result differs from it by the reference's own rounding of the weights, within a's precision."""
-    PER_BYTE: tl.constexpr = 8 // BITS
-    SUB_BYTES: tl.constexpr = SUB_K // PER_BYTE
-    ROW_BYTES: tl.constexpr = K // PER_BYTE
-    MASK: tl.constexpr = (1 << BITS) - 1
-    offs_b = ks // PER_BYTE + tl.arange(0, SUB_BYTES)
-    c_mask = (offs_b < ROW_BYTES)[:, None] & n_mask[None, :]
-    packed0 = tl.load(codes_ptr + offs_b[:, None], mask=c_mask, other=0).to(tl.int16)  # (SUB_BYTES, BLOCK_N)
-    packed1 = packed0
+    PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = SUB_K // PER_WORD
+    ROW_WORDS: tl.constexpr = K // PER_WORD
+    offs_w = ks // PER_WORD + tl.arange(0, WORDS)
+    w_mask = (offs_w < ROW_WORDS)[:, None] & n_mask[None, :]
+    words0 = tl.load((codes_ptr + offs_w[:, None] * 4).to(tl.pointer_type(tl.int32)), mask=w_mask, other=0)
+    words1 = words0
     if TWO:
-        packed1 = tl.load(codes_ptr + second * ROW_BYTES + offs_b[:, None], mask=c_mask, other=0).to(tl.int16)
+        words1 = tl.load((codes_ptr + second * (K // 8 * BITS) + offs_w[:, None] * 4).to(tl.pointer_type(tl.int32)),
+                         mask=w_mask, other=0)  # fmt: skip
+    # element PER_WORD * i + PER_WORD / 2 * lane + r of the sub-tile is a[:, i, lane, r]
     tl.static_assert(BITS == 4 or BITS == 2, "packed codes are int4 or int2")
-    if BITS == 4:
-        a0, a1 = tl.split(tl.reshape(a, (BLOCK_M, SUB_BYTES, 2)))
-        dot0, dot1, a_sum = _field(a0, packed0, packed1, 0, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
-        d0, d1, s = _field(a1, packed0, packed1, 4, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
-        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
-    else:  # element 4j + 2p + q of the sub-tile is [j, p, q]: field f = 2p + q
-        even, odd = tl.split(tl.reshape(a, (BLOCK_M, SUB_BYTES, 2, 2)))
+    if BITS == 4:  # r = 2 r1 + r0
+        even, odd = tl.split(tl.reshape(a, (BLOCK_M, WORDS, 2, 2, 2)))
         a0, a2 = tl.split(even)
         a1, a3 = tl.split(odd)
-        dot0, dot1, a_sum = _field(a0, packed0, packed1, 0, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
-        d0, d1, s = _field(a1, packed0, packed1, 2, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = _lanes(a0, words0, words1, 0, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        d0, d1, s = _lanes(a1, words0, words1, 1, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
         dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
-        d0, d1, s = _field(a2, packed0, packed1, 4, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        d0, d1, s = _lanes(a2, words0, words1, 2, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
         dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
-        d0, d1, s = _field(a3, packed0, packed1, 6, MASK, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        d0, d1, s = _lanes(a3, words0, words1, 3, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+    else:  # r = 4 r2 + 2 r1 + r0
+        even, odd = tl.split(tl.reshape(a, (BLOCK_M, WORDS, 2, 2, 2, 2)))
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        a0, a4 = tl.split(e0)
+        a2, a6 = tl.split(e1)
+        a1, a5 = tl.split(o0)
+        a3, a7 = tl.split(o1)
+        dot0, dot1, a_sum = _lanes(a0, words0, words1, 0, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        d0, d1, s = _lanes(a1, words0, words1, 1, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+        d0, d1, s = _lanes(a2, words0, words1, 2, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+        d0, d1, s = _lanes(a3, words0, words1, 3, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+        d0, d1, s = _lanes(a4, words0, words1, 4, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+        d0, d1, s = _lanes(a5, words0, words1, 5, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+        d0, d1, s = _lanes(a6, words0, words1, 6, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
+        dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
+        d0, d1, s = _lanes(a7, words0, words1, 7, BITS, TWO, BLOCK_N, BLOCK_M, DOT_PRECISION)
         dot0, dot1, a_sum = dot0 + d0, dot1 + d1, a_sum + s
     return dot0 * scale0[None, :] + a_sum * shift0[None, :], dot1 * scale1[None, :] + a_sum * shift1[None, :]
 
 
 @triton.jit
-def _field(a, packed0, packed1, SHIFT: tl.constexpr, MASK: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
+def _lanes(a, words0, words1, R: tl.constexpr, BITS: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
            BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """One bit field of a packed sub-tile: (a @ codes0, a @ codes1 (TWO; else the first again),
-    sum(a) as `_row_sums`), a being the field's strided slice of the activations."""
-    dot0 = _mm(a, _code_operand((packed0 >> SHIFT) & MASK, a.dtype, BLOCK_M), BLOCK_M, DOT_PRECISION)
+    """Lane field R of a packed sub-tile: (a @ codes0, a @ codes1 (TWO; else the first again),
+    sum(a) as `_row_sums`), a (BLOCK_M, WORDS, 2) being the activations of the elements it holds
+    (`_lane_operand`)."""
+    a = tl.reshape(a, (a.shape[0], 2 * a.shape[1]))
+    dot0 = _mm(a, _lane_operand(words0, R, BITS, a.dtype, BLOCK_M), BLOCK_M, DOT_PRECISION)
     dot1 = dot0
     if TWO:
-        dot1 = _mm(a, _code_operand((packed1 >> SHIFT) & MASK, a.dtype, BLOCK_M), BLOCK_M, DOT_PRECISION)
+        dot1 = _mm(a, _lane_operand(words1, R, BITS, a.dtype, BLOCK_M), BLOCK_M, DOT_PRECISION)
     return dot0, dot1, _row_sums(a, BLOCK_N, BLOCK_M, DOT_PRECISION)
+
+
+@triton.jit
+def _lane_operand(words, R: tl.constexpr, BITS: tl.constexpr, dtype: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Lane field R of packed int32 words (WORDS, N) as the dot operand (2 WORDS, N), code + `_code_bias`.
+
+    A word holds 32 // BITS codes; (word >> R * BITS) & (MASK | MASK << 16) holds two, one in each
+    16-bit half: elements PER_WORD * i + R (low) and PER_WORD * i + PER_WORD / 2 + R (high). With
+    the bias bits or-ed in, the halves are the two 16-bit floats (`_code_operand`) as they lie in
+    one register of the dot operand (pairs along K), so one shift and one and-or make two weights."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    lanes = (words >> (R * BITS)) & (MASK | (MASK << 16))
+    if BLOCK_M > 1 and dtype != tl.float32:
+        lanes = lanes | (0x43004300 if dtype == tl.bfloat16 else 0x64006400)
+        pair = tl.join((lanes & 0xFFFF).to(tl.int16), (lanes >> 16).to(tl.int16))  # (WORDS, N, 2)
+        out = tl.reshape(tl.permute(pair, (0, 2, 1)), (2 * words.shape[0], words.shape[1]))
+        return out.to(dtype, bitcast=True)
+    else:
+        pair = tl.join(lanes & 0xFFFF, lanes >> 16)
+        out = tl.reshape(tl.permute(pair, (0, 2, 1)), (2 * words.shape[0], words.shape[1]))
+        return _code_operand(out, tl.float32, BLOCK_M)
 
 
 @triton.jit
@@ -510,6 +552,8 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
     params = pool.param_view()
     group = max(matrix.group_size, 1)
     sub_k = _sub_k(config, matrix)
+    if matrix.packed and (matrix.data_offset % 4 or data.stride(0) % 4 or data.data_ptr() % 4):
+        raise ValueError("packed codes are read as int32 words: rows and offsets must be 4-byte aligned")
     kernel[grid](
         **args,
         POOL_ID=pool_id,
