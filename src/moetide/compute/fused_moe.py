@@ -17,13 +17,16 @@ Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed 
   down      per pool, grid (blocks, cdiv(H, BLOCK_N)): y[pair] = w[pair] * (h @ Wd^T), float32.
   reduce    out = y.view(T, k, H).sum(1): deterministic, no atomics.
 
-Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
-tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
-gptq/awq kernel), each bit field dotted with its strided slice of the activations, scaled by the
-group's float16 scale and offset and rounded to the activation dtype first (`_tile_product`). gate_up and down each carry their own format, so one expert version may
-hold int2 gate_up with int4 down. Mixed precision inside a layer costs one launch pair per pool over
-the same sorted blocks (the alternative, one launch with a per-block format, would compile every
-format pair into one kernel; see BENCHMARKS.md for the measurement).
+Weights come straight from the pool rows: dense tiles are loaded as they are. Packed int4/int2
+tiles factor each group's float16 scale s and offset o out of the dot, a . w = s (a . c) + o sum(a),
+so the tensor cores multiply the raw codes, unpacked from int32 words two per shift-and-or
+straight into bf16/fp16 registers (`_packed_sub`, `_lane_operand`); the GEMV tiles of one or two
+tokens dequantize in float32 instead (`_gemv_packed`). Nothing is rounded before the float32
+accumulation (the reference rounds dequantized weights to the activation dtype first). gate_up and
+down each carry their own format, so one expert version may hold int2 gate_up with int4 down.
+Mixed precision inside a layer costs one launch pair per pool over the same sorted blocks (the
+alternative, one launch with a per-block format, would compile every format pair into one kernel;
+see BENCHMARKS.md for the measurement).
 
 Import this module only where triton is installed; on CPU it runs under Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported), which the tests use.
@@ -259,13 +262,14 @@ def _packed_sub(
 
     Inside a group w[n, k] = s[n] * c[n, k] + o[n], so the scale and offset come out of the dot:
         a . w[n] = s[n] * (a . c[n]) + o[n] * sum(a).
-    The dot operand is the raw codes, made a float by bit tricks (`_code_operand`, exact: code +
-    bias, the bias taken back out with the offset, `shift` = o - bias * s), with no per-weight
-    multiply-add and no float32 round trip; sum(a) is one more dot, with ones, so it comes out in the
-    accumulator's layout (`_row_sums`). The codes are loaded as whole bytes (contiguous along K, so
-    the loads are wide) and never interleaved back into K order: field f of every byte holds the
-    elements ks + j * per_byte + f, so it is dotted with that strided slice of `a`, split off in
-    registers (int4: two dots per sub-tile, int2: four). Unlike the reference (weights dequantized,
+    The dot operand is the raw codes, made 16-bit floats by bit tricks (`_lane_operand`, exact:
+    code + bias, the bias taken back out with the offset, `shift` = o - bias * s), with no
+    per-weight multiply-add and no float32 round trip; sum(a) is one more dot, with ones, so it
+    comes out in the accumulator's layout (`_row_sums`). The codes are loaded as int32 words
+    (contiguous along K, so the loads are wide) and never interleaved back into K order: each lane
+    field r of the words holds the elements per_word * i + per_word / 2 * lane + r, so it is dotted
+    with that strided slice of `a`, split off in registers (int4: four dots per sub-tile, int2:
+    eight). Unlike the reference (weights dequantized,
     rounded to a's dtype, then the matmul), nothing is rounded before the float32 accumulation: the
     result differs from it by the reference's own rounding of the weights, within a's precision."""
     PER_WORD: tl.constexpr = 32 // BITS
@@ -337,8 +341,9 @@ def _lane_operand(words, R: tl.constexpr, BITS: tl.constexpr, dtype: tl.constexp
 
     A word holds 32 // BITS codes; (word >> R * BITS) & (MASK | MASK << 16) holds two, one in each
     16-bit half: elements PER_WORD * i + R (low) and PER_WORD * i + PER_WORD / 2 + R (high). With
-    the bias bits or-ed in, the halves are the two 16-bit floats (`_code_operand`) as they lie in
-    one register of the dot operand (pairs along K), so one shift and one and-or make two weights."""
+    the bias bits or-ed in (`_code_bias`), the halves are the two 16-bit floats as they lie in one
+    register of the dot operand (pairs along K), so one shift and one and-or make two weights
+    (the compiler folds the split into halves and the join back). Float32 operands: `_exact_f32`."""
     MASK: tl.constexpr = (1 << BITS) - 1
     lanes = (words >> (R * BITS)) & (MASK | (MASK << 16))
     if BLOCK_M > 1 and dtype != tl.float32:
@@ -349,7 +354,7 @@ def _lane_operand(words, R: tl.constexpr, BITS: tl.constexpr, dtype: tl.constexp
     else:
         pair = tl.join(lanes & 0xFFFF, lanes >> 16)
         out = tl.reshape(tl.permute(pair, (0, 2, 1)), (2 * words.shape[0], words.shape[1]))
-        return _code_operand(out, tl.float32, BLOCK_M)
+        return _exact_f32(out)
 
 
 @triton.jit
@@ -364,22 +369,16 @@ def _row_sums(a, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl
 
 
 @triton.jit
-def _code_operand(field, dtype: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Codes (small non-negative int16) as the dot operand, code + `_code_bias`, exactly, by setting
-    them as the low mantissa bits of a float (no int -> float convert): bf16 0x4300 | c = 128 + c,
-    fp16 0x6400 | c = 1024 + c; float32 (float32 activations and the GEMV tiles, which multiply in
-    float32) 0x4B000000 | c = 2^23 + c, minus 2^23."""
-    if BLOCK_M > 1 and dtype == tl.bfloat16:
-        return (field | 0x4300).to(tl.bfloat16, bitcast=True)
-    elif BLOCK_M > 1 and dtype == tl.float16:
-        return (field | 0x6400).to(tl.float16, bitcast=True)
-    else:
-        return (field.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _exact_f32(codes):
+    """Small non-negative int32 codes as float32, exactly and without an int -> float convert:
+    0x4B000000 | c is 2^23 + c."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
 def _code_bias(dtype: tl.constexpr, BLOCK_M: tl.constexpr):
-    """What `_code_operand` adds to each code."""
+    """What `_lane_operand` adds to each code: 16-bit floats 0x4300 | c = 128 + c (bf16), 0x6400 | c
+    = 1024 + c (fp16); float32 operands (float32 activations) are the codes themselves."""
     if BLOCK_M > 1 and dtype == tl.bfloat16:
         return 128.0
     elif BLOCK_M > 1 and dtype == tl.float16:
