@@ -1,0 +1,359 @@
+"""A/B ONLY (scripts/tune_fused_moe.py --variants): the fused MoE kernel as of c90cc3e, before the
+factored packed tiles; delete once the new kernel is measured against it.
+
+One fused MoE path for any number of tokens and every precision a slot can hold (Triton).
+
+Shapes: T tokens, k experts per token, P = T*k (token, expert) pairs, E experts of the layer,
+H hidden, I expert intermediate.
+    hidden        (T, H)   bf16 / fp16 / fp32 activations
+    topk_ids      (T, k)   int64 expert ids chosen by the router
+    topk_weights  (T, k)   routing weights, any float dtype
+    pool_of       (E,)     int32, the pool holding each expert's version to run, -1 = none
+    slot_of       (E,)     int32, its row in that pool's arena (see `slot_table`)
+
+Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed T):
+  align     pairs sorted by expert into blocks of BLOCK_M rows, each block one expert
+            (`align_pairs`, after vLLM's `moe_align_block_size`); at BLOCK_M == 1 every pair is
+            its own block and nothing is sorted (decode of a few tokens: GEMV tiles).
+  gate_up   per pool, grid (blocks, cdiv(I, BLOCK_N)): h = silu(x @ Wg^T) * (x @ Wu^T) into a
+            (padded pairs, I) scratch. Blocks whose expert lives in another pool exit at once.
+  down      per pool, grid (blocks, cdiv(H, BLOCK_N)): y[pair] = w[pair] * (h @ Wd^T), float32.
+  reduce    out = y.view(T, k, H).sum(1): deterministic, no atomics.
+
+Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
+tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
+gptq/awq kernel), each bit field dotted with its strided slice of the activations, scaled by the
+group's float16 scale and offset and rounded to the activation dtype first (`_tile_product`). gate_up and down each carry their own format, so one expert version may
+hold int2 gate_up with int4 down. Mixed precision inside a layer costs one launch pair per pool over
+the same sorted blocks (the alternative, one launch with a per-block format, would compile every
+format pair into one kernel; see BENCHMARKS.md for the measurement).
+
+Import this module only where triton is installed; on CPU it runs under Triton's interpreter
+(TRITON_INTERPRET=1, set before triton is imported), which the tests use.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from moetide.compute.fused_moe_config import KernelConfig, config_for
+from moetide.residency.slot_table import MatrixFormat, Pool
+
+
+@triton.jit
+def _tile_product(
+    a_ptr,
+    a_rows,
+    stride_a,
+    a_mask,
+    data_ptr,
+    param_ptr,
+    row,
+    row_data,
+    row_param,
+    data_off,
+    scale_off,
+    offset_off,
+    offs_n,
+    n_mask,
+    k0,
+    K: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """a[a_rows, k0 : k0 + BLOCK_K] @ W[offs_n, k0 : k0 + BLOCK_K]^T -> (BLOCK_M, BLOCK_N) float32,
+    W (N, K) being one matrix of pool row `row`.
+
+    Dense (BITS >= 8): W row-major at `data_off` elements. Packed: codes row-major at `data_off`
+    bytes, K // (8 // BITS) bytes per row, element k at bits (k % per_byte) * BITS of byte
+    k // per_byte; float16 scale/offset (N, K // GROUP) at `scale_off` / `offset_off` elements.
+    A packed tile is loaded as whole bytes (contiguous along K, so the loads are wide) and never
+    interleaved back into K order: field f of every byte holds the elements k0 + j * per_byte + f,
+    so it is dotted with that strided slice of `a` (int4: two dots per tile, int2: four). The tile
+    lies inside one group (GROUP % BLOCK_K == 0): one scale and offset per column. Dequantized
+    weights are rounded to a's dtype before the dot, as the reference's weights are."""
+    dtype = a_ptr.dtype.element_ty
+    if BITS >= 8:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :], mask=a_mask[:, None] & k_mask[None, :],
+                    other=0.0)  # fmt: skip
+        w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * K + offs_k[:, None]
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        return _mm(a, w.to(dtype), BLOCK_M, DOT_PRECISION)
+    else:
+        PER_BYTE: tl.constexpr = 8 // BITS
+        BYTES_K: tl.constexpr = BLOCK_K // PER_BYTE
+        ROW_BYTES: tl.constexpr = K // PER_BYTE
+        offs_b = k0 // PER_BYTE + tl.arange(0, BYTES_K)
+        b_mask = offs_b < ROW_BYTES
+        w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES + offs_b[:, None]
+        packed = tl.load(w_ptrs, mask=b_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)  # (BYTES_K, N)
+        params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
+        scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+        for f in tl.static_range(PER_BYTE):
+            a = tl.load(a_ptr + a_rows[:, None] * stride_a + (offs_b * PER_BYTE + f)[None, :],
+                        mask=a_mask[:, None] & b_mask[None, :], other=0.0)  # fmt: skip
+            codes = ((packed >> (f * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+            acc += _mm(a, (codes * scale + offset).to(dtype), BLOCK_M, DOT_PRECISION)
+        return acc
+
+
+# Triton's interpreter (CPU tests) computes tl.dot of bf16 operands wrongly (triton 3.9: errors of
+# 1e10 on a 16x16 product); there the operands are widened first, which is exact for bf16/fp16.
+_WIDEN_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _mm(a, b, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a (BLOCK_M, BLOCK_K) @ b (BLOCK_K, BLOCK_N) -> float32; BLOCK_M == 1 is a GEMV (no tl.dot)."""
+    if BLOCK_M == 1:
+        return tl.sum(a.to(tl.float32).reshape(a.shape[1], 1) * b.to(tl.float32), axis=0)[None, :]
+    elif a.shape[1] < 16:  # tl.dot needs K >= 16 (packed tiles of small groups): broadcast and reduce
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    elif _WIDEN_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+
+
+@triton.jit
+def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID,
+                BLOCK_M: tl.constexpr):  # fmt: skip
+    """This program's block: (runs here?, pool row, sorted positions (BLOCK_M,), pairs, pair mask)."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    safe = tl.maximum(expert, 0)
+    pool = tl.load(pool_of_ptr + safe)
+    runs = (expert >= 0) & (pool == POOL_ID)
+    row = tl.load(slot_of_ptr + safe).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + offs_m)
+    return runs, row, offs_m.to(tl.int64), pair.to(tl.int64), pair < num_pairs
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    stride_x,
+    h_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    pool_of_ptr,
+    slot_of_ptr,
+    num_pairs,
+    POOL_ID,
+    data_ptr,
+    param_ptr,
+    row_data,
+    row_param,
+    data_off,
+    scale_off,
+    offset_off,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """h[sorted position] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T)."""
+    runs, row, offs_m, pair, m_mask = _block_rows(
+        block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
+    )
+    if runs:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < INTER
+        token = pair // TOP_K
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        dtype = x_ptr.dtype.element_ty
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            acc_gate += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
+                                      row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, HIDDEN,
+                                      BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            acc_up += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
+                                    row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask, k0,
+                                    HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        h_ptrs = h_ptr + offs_m[:, None] * INTER + offs_n[None, :]
+        tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    y_ptr,
+    routing_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    pool_of_ptr,
+    slot_of_ptr,
+    num_pairs,
+    POOL_ID,
+    data_ptr,
+    param_ptr,
+    row_data,
+    row_param,
+    data_off,
+    scale_off,
+    offset_off,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """y[pair] (BLOCK_N columns) = routing[pair] * (h[sorted position] @ Wd^T), float32."""
+    runs, row, offs_m, pair, m_mask = _block_rows(
+        block_expert_ptr, pool_of_ptr, slot_of_ptr, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
+    )
+    if runs:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < HIDDEN
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            acc += _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param,
+                                 data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP,
+                                 BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
+        y_ptrs = y_ptr + pair[:, None] * HIDDEN + offs_n[None, :]
+        tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the (token, expert) pairs into blocks of `block_m` rows, each block one expert.
+
+    topk_ids (T, k) -> (sorted_pair (R,) int32: pair id t*k + j at each row, P where padding;
+    block_expert (R // block_m,) int32: each block's expert, -1 past the last block). R is the
+    static bound P + min(E, P) * (block_m - 1), rounded up to block_m, so shapes depend on T only
+    (graph capture) and nothing is read back on the host. block_m == 1: no sort, every pair is a
+    block."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    device = flat.device
+    if block_m == 1:
+        return torch.arange(num_pairs, device=device, dtype=torch.int32), flat.to(torch.int32)
+    flat = flat.to(torch.int64)
+    counts = torch.zeros(num_experts, device=device, dtype=torch.int64)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_expert = flat.index_select(0, order)
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=device) - first_of_expert.index_select(0, sorted_expert)
+    dest = (ends - padded).index_select(0, sorted_expert) + rank
+    rows = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
+    sorted_pair = torch.full((rows,), num_pairs, device=device, dtype=torch.int32)
+    sorted_pair.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(0, rows, block_m, device=device, dtype=torch.int64)
+    block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return sorted_pair, block_expert
+
+
+def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, config, **args):
+    """One launch of `kernel` over `pool`'s rows for one projection (`matrix`), its tiles from `config`."""
+    data = pool.data_view(matrix)
+    params = pool.param_view()
+    block_k = config.block_k if not matrix.packed else min(config.block_k, matrix.group_size)
+    kernel[grid](
+        **args,
+        POOL_ID=pool_id,
+        data_ptr=data,
+        param_ptr=params,
+        row_data=data.stride(0),
+        row_param=params.stride(0),
+        data_off=matrix.data_offset,
+        scale_off=matrix.scale_offset,
+        offset_off=matrix.offset_offset,
+        BITS=matrix.bits,
+        GROUP=max(matrix.group_size, 1),
+        BLOCK_N=config.block_n,
+        BLOCK_K=block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _fit_packed_tiles(config: KernelConfig, pools: list[Pool | None]) -> KernelConfig:
+    """tl.dot needs 16 bytes of packed codes per K-tile; groups smaller than that (tiles lie inside
+    one group) leave only the GEMV tiles (block_m 1), which take any tile width."""
+    for pool in pools:
+        for m in (pool.format.gate_up, pool.format.down) if pool is not None else ():
+            if m.packed and config.block_m > 1 and min(config.block_k, m.group_size) * m.bits // 8 < 16:
+                return replace(config, block_m=1)
+    return config
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    pool_of: torch.Tensor,
+    slot_of: torch.Tensor,
+    pools: list[Pool],
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Routed experts of one layer from the pools' rows through the slot table: `(T, H)`.
+
+    `pools[i]` is pool id i (None: a pool without slots). Experts whose `pool_of` is -1 contribute
+    nothing. No host sync.
+    """
+    num_tokens, hidden_size = hidden.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    fmt = next(pool for pool in pools if pool is not None).format
+    inter = fmt.intermediate_size
+    if fmt.hidden_size != hidden_size:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not fit the pools' H={fmt.hidden_size}")
+    if config is None:
+        config = config_for(num_tokens, hidden_size, inter, fmt.name)
+        if _WIDEN_DOT:  # the interpreter runs each program in Python: wide tiles, few programs
+            config = replace(config, block_n=max(config.block_n, 128))
+    config = _fit_packed_tiles(config, pools)
+    hidden = hidden.contiguous()
+    sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), config.block_m)
+    h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)
+    y = torch.zeros(num_pairs, hidden_size, device=hidden.device, dtype=torch.float32)
+    routing = topk_weights.contiguous().reshape(-1)
+    blocks = block_expert.numel()
+    dot_precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # no TF32 rounding of fp32
+    common = dict(
+        sorted_pair_ptr=sorted_pair,
+        block_expert_ptr=block_expert,
+        pool_of_ptr=pool_of,
+        slot_of_ptr=slot_of,
+        num_pairs=num_pairs,
+        HIDDEN=hidden_size,
+        INTER=inter,
+        BLOCK_M=config.block_m,
+        DOT_PRECISION=dot_precision,
+    )
+    for pool_id, pool in enumerate(pools):
+        if pool is None:  # a pool without slots (no expert can point there)
+            continue
+        f = pool.format
+        _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
+                       f.gate_up, config, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
+                       TOP_K=top_k, **common)  # fmt: skip
+        _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
+                       f.down, config, h_ptr=h, y_ptr=y, routing_ptr=routing, **common)  # fmt: skip
+    return y.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
