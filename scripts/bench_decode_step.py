@@ -59,11 +59,12 @@ def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
     return {"prefill_s": prefill_s, "decode_tok_s": decoded / (end - decode_start)}
 
 
-def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, compile_mode="off") -> list[dict]:
+def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, compile_mode="off",
+                  cache_dir=None) -> list[dict]:  # fmt: skip
     free_device()
     t0 = time.perf_counter()
     llm = moetide.LLM(str(path), policy=policy, gpu_memory=budget, max_num_seqs=max(batch_sizes),
-                      max_model_len=max(prefill_len + 8, 256), compile=compile_mode)  # fmt: skip
+                      max_model_len=max(prefill_len + 8, 256), compile=compile_mode, cache_dir=cache_dir)  # fmt: skip
     load_s = time.perf_counter() - t0
     vocab = llm.loaded.config.vocab_size
     rows = []
@@ -137,6 +138,7 @@ def main() -> int:
     ap.add_argument("--compile", default="off", help="comma-separated of auto,off: each policy once per setting")
     ap.add_argument("--hf", default="static", help="comma-separated transformers baselines: default,static")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--cache-dir", default=None, help="where lo versions are cached between loads (prepare's)")
     args = ap.parse_args()
     ckpt = Path(args.checkpoint) / args.shape
     if not (ckpt / "model.safetensors.index.json").is_file():
@@ -153,7 +155,7 @@ def main() -> int:
         for compile_mode in args.compile.split(","):
             try:
                 report["runs"] += bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill,
-                                                compile_mode)  # fmt: skip
+                                                compile_mode, args.cache_dir)  # fmt: skip
             except Exception as e:
                 report["runs"].append({"engine": "moetide", "policy": policy, "compile": compile_mode,
                                        "error": f"{type(e).__name__}: {e}"[:500]})  # fmt: skip

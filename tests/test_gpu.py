@@ -87,7 +87,8 @@ def test_sync_free_policies_on_cuda_replay_graphs_and_match_the_stall_path(tiny_
         llm.close()
     tokens, syncs, graphs, misses = runs["auto"]
     assert syncs == 0 and graphs["replays"] > 0 and graphs["failed"] is None, graphs
-    assert runs["stall"][1] > 0 and runs["stall"][2]["replays"] == 0
+    if policy != "dynaexq":  # dynaexq fixes --on-miss lo (its registry entry): no stall run to compare
+        assert runs["stall"][1] > 0 and runs["stall"][2]["replays"] == 0
     if not keeps_lo:
         assert misses > 0  # some experts were read zero-copy
         assert tokens == runs["stall"][0]
