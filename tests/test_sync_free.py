@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import moetide
-from moetide.policies.registry import POLICY_NAMES
+from moetide.policies.registry import POLICY_NAMES, policy_spec
 
 PROMPTS = ["How do I reverse a list in Python?", "Écris un poème sur la mer."]
 PARAMS = moetide.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -29,9 +29,10 @@ def test_every_policy_generates_with_no_host_sync(policy):
     assert all(len(o.token_ids) == 12 for o in out)
     assert m.host_syncs == 0
     used = sum(c.used for c in m.layers)
-    if policy == "no-offload":  # no residency decisions to account: the CPU counts its uses as hits
+    if policy_spec(policy).memory_mode in ("all-hi", "all-lo"):  # a static table: the CPU counts hits
         assert used == m.hits
         return
+    assert m.steps_observed == m.steps == 12  # every step's routing reached the host (one prefill)
     assert used > 0 and used == m.hits + m.lo_runs + m.misses  # every use accounted, one step late
 
 

@@ -94,7 +94,10 @@ class StepObservations:
         self._next_slot = 0
         self._pending: deque = deque()  # (record without views, slot, layout, event)
         self._views: dict = {}  # (buffer id, tokens) -> {region: tensor view}
-        self._step: tuple | None = None  # (iteration, tokens, context) of the running step
+        # the running step: (iteration, context) and its token count (known up front from the
+        # runner, which a replayed CUDA graph needs: no Python runs in it; else set by the first record)
+        self._step: tuple | None = None
+        self._step_tokens: int | None = None
 
     def want(self, *, logits: bool = False, spec: bool = False, embed: bool = False) -> None:
         """Which regions beyond the ids are recorded (the policy hooks ask, before any step)."""
@@ -142,28 +145,33 @@ class StepObservations:
             self._views[key] = views
         return views
 
-    def begin_step(self, iteration: int, context=None) -> None:
-        self._step = (iteration, None, context)
+    def begin_step(self, iteration: int, context=None, tokens: int | None = None) -> None:
+        """A step starts; `tokens`: its T where the caller knows it (every step the engine runs)."""
+        self._step = (iteration, context)
+        self._step_tokens = tokens
 
     def _tokens(self, tokens: int) -> dict[str, torch.Tensor]:
-        iteration, seen, context = self._step if self._step is not None else (0, None, None)
-        if seen is None:
-            self._step = (iteration, tokens, context)
+        if self._step_tokens is None:
+            self._step_tokens = tokens
         return self.views(tokens)
 
+    @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
     def record_ids(self, layer: int, top_k_index: torch.Tensor) -> None:
         """`top_k_index (T, k)` of MoE layer `layer` into the step's ids region."""
         self._tokens(top_k_index.shape[0])["ids"][layer].copy_(top_k_index)
 
+    @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
     def record_logits(self, layer: int, logits: torch.Tensor) -> None:
         """Router logits `(T, E)` of layer `layer` (float32 in the buffer)."""
         logits = logits.reshape(-1, logits.shape[-1])
         self._tokens(logits.shape[0])["logits"][layer].copy_(logits)
 
+    @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
     def record_spec(self, layer: int, top_k_index: torch.Tensor) -> None:
         top_k_index = top_k_index.reshape(-1, top_k_index.shape[-1])
         self._tokens(top_k_index.shape[0])["spec"][layer].copy_(top_k_index)
 
+    @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
     def record_embedding(self, hidden: torch.Tensor) -> None:
         """The embedding-layer output `(..., H)`: its mean over tokens."""
         h = hidden.reshape(-1, hidden.shape[-1])
@@ -177,9 +185,10 @@ class StepObservations:
 
     def finish_step(self) -> None:
         """Queue the running step's copy to a pinned slot (a step that recorded nothing is skipped)."""
-        step, self._step = self._step, None
-        if step is not None and step[1] is not None:
-            self._queue_copy(*step)
+        step, tokens = self._step, self._step_tokens
+        self._step = self._step_tokens = None
+        if step is not None and tokens is not None:
+            self._queue_copy(step[0], tokens, step[1])
 
     def flush(self) -> list[StepRecord]:
         """Every queued record, waiting for the copies still in flight (end of a run)."""

@@ -115,7 +115,7 @@ class ExpertRuntime:
         steps); a static table needs no accounting beyond the CPU's free count."""
         return getattr(self.residency, "table_mode", False) and self.residency.static_table(0) is None
 
-    def begin_step(self, *, auto: bool = False) -> None:
+    def begin_step(self, num_tokens: int | None = None, *, auto: bool = False) -> None:
         """Before a forward: the residency applies the policies' requests and writes the table this
         step reads (no-op inside a step). `auto`: opened by the embedding hook (a forward run outside
         the engine's runner); the decoder hook closes it."""
@@ -134,8 +134,11 @@ class ExpertRuntime:
         else:
             self.residency.begin_iteration(self.iteration)
         if self.observations is not None:
-            table = self.residency.table_snapshot() if self._accounts() else None
-            self.observations.begin_step(self.iteration, (table, self.step_tags))
+            accounts = self._accounts()
+            table = self.residency.table_snapshot() if accounts else None
+            # T up front: a replayed CUDA graph writes the step's buffers with no Python to tell
+            tokens = num_tokens if accounts or self.observing else None
+            self.observations.begin_step(self.iteration, (table, self.step_tags), tokens)
         self.metrics.step_host_s += time.perf_counter() - t0
 
     def end_step(self) -> None:
@@ -168,6 +171,7 @@ class ExpertRuntime:
 
     def _account(self, record: StepRecord) -> None:
         """The residency's part of a finished step: its uses counted, LRU touched, misses cached."""
+        self.metrics.steps_observed += 1
         table, _tags = record.context
         if table is not None:
             self.residency.observe_step(table, record.used(), record.iteration)
@@ -185,9 +189,9 @@ class ExpertRuntime:
     ) -> torch.Tensor:
         """Routed experts of one MoE layer: `hidden (T, H)` -> `(T, H)`."""
         accounts = self._accounts()
-        if self.observations is not None and accounts and not self.observing:
+        if self.observations is not None and accounts:
             self.observations.record_ids(layer, top_k_index)  # device copy, read one step later
-            # (with a policy attached, its router hook records the same ids with the logits)
+            # (where the residency accounts nothing, an attached policy's router hook records them)
         table = self.residency.step_table(layer)
         if table is not None:  # the device table: no host sync at all
             if not accounts and hidden.device.type == "cpu":  # a static table; counting is free here

@@ -140,11 +140,12 @@ class ModelRunner:
 
         return DynamicCache(config=self.model.config)
 
-    def _in_step(self, forward, *args):
-        """`forward(*args)` as one step of the runtime (between `begin_step` and `end_step`)."""
+    def _in_step(self, tokens: int, forward, *args):
+        """`forward(*args)` as one step of `tokens` tokens of the runtime (between `begin_step` and
+        `end_step`)."""
         if self.runtime is None:
             return forward(*args)
-        self.runtime.begin_step()
+        self.runtime.begin_step(tokens)
         try:
             return forward(*args)
         finally:
@@ -156,7 +157,7 @@ class ModelRunner:
             self.runtime.flush_observations()
 
     def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
-        return self._in_step(self._forward_now, input_ids, mask, positions, cache)
+        return self._in_step(input_ids.numel(), self._forward_now, input_ids, mask, positions, cache)
 
     @torch.inference_mode()
     def _forward_now(self, input_ids, mask, positions, cache) -> torch.Tensor:
@@ -197,7 +198,7 @@ class ModelRunner:
     def decode(self, batch: BatchKVCache, last_tokens: torch.Tensor) -> torch.Tensor:
         """One token for every row: `last_tokens (B,)` -> logits `(B, V)`; grows the cache by one.
         Replayed from a CUDA graph where `graphs` can (graphed_decode), else eager."""
-        return self._in_step(self._decode_now, batch, last_tokens)
+        return self._in_step(last_tokens.numel(), self._decode_now, batch, last_tokens)
 
     def _decode_now(self, batch: BatchKVCache, last_tokens: torch.Tensor) -> torch.Tensor:
         if self.graphs is not None:

@@ -87,6 +87,8 @@ class PolicyHooks:
         self._runtime = runtime
         self._request_ids: tuple[int, ...] = ()
         self._obs = runtime.observations if runtime is not None else None
+        # the routing ids: written by the runtime where its residency accounts every step, else here
+        self._record_ids = runtime is not None and not runtime._accounts()
         if self._obs is not None:
             self._obs.want(logits=True, spec=bool(self._distances), embed=True)
             runtime.observing = True
@@ -141,7 +143,8 @@ class PolicyHooks:
         def record(inputs, output) -> None:
             logits, _, top_k_index = output
             self._obs.record_logits(ordinal, logits.detach())
-            self._obs.record_ids(ordinal, top_k_index.detach().reshape(-1, top_k_index.shape[-1]))
+            if self._record_ids:
+                self._obs.record_ids(ordinal, top_k_index.detach().reshape(-1, top_k_index.shape[-1]))
             if self._distances:
                 d = self._distances[0]
                 if ordinal + d < len(self.routers):

@@ -33,6 +33,7 @@ class ExpertMetrics:
     deferred: int = 0
     host_syncs: int = 0
     steps: int = 0
+    steps_observed: int = 0  # steps whose routing reached the host (accounting and policies)
     step_host_s: float = 0.0  # host seconds at step boundaries: residency decisions, table, publishing
     peak_device_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -91,6 +92,7 @@ class ExpertMetrics:
             "deferred": self.deferred,
             "host_syncs": self.host_syncs,
             "steps": self.steps,
+            "steps_observed": self.steps_observed,
             "step_host_s": round(self.step_host_s, 6),
             "peak_device_bytes": self.peak_device_bytes,
             "resident": resident or {},
