@@ -38,8 +38,10 @@ def calibration_settings() -> str:
     return f"sharegpt-train:{CALIB_CONVERSATIONS}:{CALIB_MAX_LEN}:v{CALIB_VERSION}"
 
 
-def calibration_conversations(count: int = CALIB_CONVERSATIONS) -> list[dict]:
-    """The first `count` ShareGPT V3 conversations that are not held out (file order)."""
+def calibration_conversations(count: int | None = None) -> list[dict]:
+    """The first `count` (default CALIB_CONVERSATIONS) ShareGPT V3 conversations that are not held
+    out (file order)."""
+    count = CALIB_CONVERSATIONS if count is None else count
     from ..data.sharegpt import conversation_turns, heldout_ids, iter_complete_records, sharegpt_json_path
 
     held = set(heldout_ids())
