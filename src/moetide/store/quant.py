@@ -379,6 +379,7 @@ def _ls_params(groups: torch.Tensor, bits: int, weights: torch.Tensor | None = N
 # dampening, a share of the mean diagonal added to the diagonal (keeps the factorization stable for
 # channels the calibration data barely excites). Measured on the demo model: docs/quantization.md.
 GPTQ_DAMP = 0.01
+GPTQ_BLOCK = 32
 
 
 def quantize_gptq(
@@ -394,6 +395,30 @@ def quantize_gptq(
         )
     p, n_rows, k = weight.shape
     group_size = _check_quant_args(weight.reshape(p * n_rows, k), bits, group_size, "ls")
+    workers = torch.get_num_threads()
+    if weight.device.type == "cpu" and p > 1 and workers > 1:
+        # small per-column ops: one Python thread per core, ops single-threaded (as `_quantize_ls`)
+        step = -(-p // workers)
+        parts: dict[int, QuantizedMatrix] = {}
+
+        def run(start: int) -> None:
+            stop = min(start + step, p)
+            parts[start] = _gptq(weight[start:stop], hessian[start:stop], bits, group_size)
+
+        _run_single_threaded_ops(run, list(range(0, p, step)))
+        ordered = [parts[start] for start in sorted(parts)]
+        return QuantizedMatrix(
+            torch.cat([q.codes for q in ordered]),
+            torch.cat([q.scale for q in ordered]),
+            torch.cat([q.offset for q in ordered]),
+            bits,
+            group_size,
+        )
+    return _gptq(weight, hessian, bits, group_size)
+
+
+def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int) -> QuantizedMatrix:
+    p, n_rows, k = weight.shape
     qmax, tiny = 2**bits - 1, torch.finfo(PARAM_DTYPE).tiny
     w = weight.to(torch.float32).clone()
     h = hessian.to(w.device, torch.float64).clone()
@@ -404,25 +429,33 @@ def quantize_gptq(
     h[empty] = torch.eye(k, dtype=h.dtype, device=h.device)
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(torch.float32)
     importance = torch.diagonal(h, dim1=-2, dim2=-1).to(torch.float32)[:, None, :]  # (P, 1, K)
-    codes = torch.empty((p, n_rows, k), dtype=torch.uint8, device=w.device)
     groups = k // group_size
     scale = torch.empty((p, n_rows, groups), dtype=torch.float32, device=w.device)
     offset = torch.empty_like(scale)
-    for gi in range(groups):
-        g0, g1 = gi * group_size, (gi + 1) * group_size
-        s, o = _weighted_window(w[:, :, g0:g1], importance[:, :, g0:g1], bits, tiny)
-        scale[:, :, gi], offset[:, :, gi] = s, o
-        errors = torch.empty((p, n_rows, group_size), dtype=torch.float32, device=w.device)
-        for j in range(g0, g1):
-            c = torch.addcmul(-o / s, w[:, :, j], 1.0 / s).round_().clamp_(0, qmax)
-            codes[:, :, j] = c.to(torch.uint8)
-            e = (w[:, :, j] - (c * s + o)) / u[:, j, j][:, None]
-            w[:, :, j:g1] -= e[:, :, None] * u[:, None, j, j:g1]
-            errors[:, :, j - g0] = e
-        if g1 < k:
-            w[:, :, g1:] -= torch.bmm(errors, u[:, g0:g1, g1:])
+    # columns as contiguous rows: wt (P, K, N), so column j is wt[:, j] and its update is one axpy
+    wt = w.transpose(1, 2).contiguous()
+    codes_t = torch.empty((p, k, n_rows), dtype=torch.uint8, device=w.device)
+    block = min(GPTQ_BLOCK, group_size)  # "lazy batch" updates: columns beyond a block by one bmm
+    for b0 in range(0, k, block):
+        b1 = b0 + block
+        if b0 % group_size == 0:
+            gi = b0 // group_size
+            g1 = b0 + group_size
+            s, o = _weighted_window(wt[:, b0:g1].transpose(1, 2), importance[:, :, b0:g1], bits, tiny)
+            scale[:, :, gi], offset[:, :, gi] = s, o
+            inv_s, o_s = 1.0 / s, -o / s
+        errors = torch.empty((p, block, n_rows), dtype=torch.float32, device=w.device)
+        for j in range(b0, b1):
+            c = torch.addcmul(o_s, wt[:, j], inv_s).round_().clamp_(0, qmax)
+            codes_t[:, j] = c.to(torch.uint8)
+            e = (wt[:, j] - torch.addcmul(o, c, s)) / u[:, j, j, None]
+            wt[:, j:b1] -= u[:, j, j:b1, None] * e[:, None, :]
+            errors[:, j - b0] = e
+        if b1 < k:
+            wt[:, b1:] -= torch.bmm(u[:, b0:b1, b1:].transpose(1, 2), errors)
+    codes = codes_t.transpose(1, 2)
     return QuantizedMatrix(
-        codes.reshape(p * n_rows, k),
+        codes.reshape(p * n_rows, k).contiguous(),
         scale.reshape(p * n_rows, groups).to(PARAM_DTYPE),
         offset.reshape(p * n_rows, groups).to(PARAM_DTYPE),
         bits,
