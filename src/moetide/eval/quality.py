@@ -62,7 +62,14 @@ DEFAULT_CONFIGS = (*STATIC, "bf16>int2", "int4>int2", "bf16>int2+4", "int4>int2+
 CONFIGS = (*STATIC, *LADDER_ALIASES)  # names accepted besides any HOT>COLD ladder
 WORKLOADS = ("code", "non-english", "chat")
 # Names of the static formats in the summary (results/targets.json keys).
-SUMMARY_KEYS = {"int4": "int4", "int2+4": "int2_down4", "int2+2": "int2_down_g32", "int2": "int2"}
+SUMMARY_KEYS = {
+    "int4": "int4",
+    "int2+4": "int2_down4",
+    "int2+4-gptq": "int2_down4_gptq",
+    "int2+2": "int2_down_g32",
+    "int2+2-gptq": "int2_down_g32_gptq",
+    "int2": "int2",
+}
 
 
 def ladder_of(name: str) -> tuple[str, str] | None:
