@@ -105,6 +105,10 @@ LS_CLIP_RATIOS = MappingProxyType({4: (1.0, 0.95, 0.9, 0.8), 2: (1.0, 0.8, 0.7, 
 LS_ITERS = 6
 # Elements per chunk of rows: a chunk's float32 temporaries (1 MiB each) stay in the CPU's caches.
 QUANT_CHUNK_ELEMENTS = 1 << 18
+# On a GPU the chunk only bounds the temporaries' memory (16M elements: ~64 MiB each); small chunks
+# there cost one kernel launch per op per chunk (a batch of OLMoE experts is 240 chunks of 2^18).
+# Rows are independent, so the chunking never changes a result.
+QUANT_CHUNK_ELEMENTS_GPU = 1 << 24
 
 # Clip ratios tried by the "mse" range search: the group's [min, max] window shrunk about its midpoint.
 # Low-bit grids waste levels on the few extreme weights: on Gaussian weights the chosen ratio is
@@ -268,7 +272,8 @@ def _quantize_ls(
     codes = torch.empty((n_rows, k), dtype=torch.uint8, device=weight.device)
     scale = torch.empty((n_rows, k // group_size), dtype=PARAM_DTYPE, device=weight.device)
     offset = torch.empty_like(scale)
-    step = max(1, QUANT_CHUNK_ELEMENTS // k)
+    chunk = QUANT_CHUNK_ELEMENTS if weight.device.type == "cpu" else QUANT_CHUNK_ELEMENTS_GPU
+    step = max(1, chunk // k)
     chunks = [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
 
     if importance is not None:
