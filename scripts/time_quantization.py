@@ -8,9 +8,11 @@ makes (quantized on the device, batch by batch, packed rows copied back to host 
 JSON with the seconds per format, the total and the set-up times to --out.
 
     # the full shape on a GPU (target: int4 + int2 <= 30 s)
-    python scripts/time_quantization.py --device cuda --checkpoint /tmp/olmoe-synth --out results/gpu/quant_time.json
+    python scripts/time_quantization.py --device cuda --checkpoint /tmp/olmoe-synth \
+        --out results/gpu/quant_time.json
     # a quick CPU check: one layer
-    python scripts/time_quantization.py --device cpu --layers 1 --checkpoint /tmp/olmoe-synth-1 --out /tmp/quant_time.json
+    python scripts/time_quantization.py --device cpu --layers 1 --checkpoint /tmp/olmoe-synth-1 \
+        --out /tmp/quant_time.json
 
 Random weights (Gaussian, std 0.02) cost the quantizer what trained ones do: its work does not
 depend on the values (fixed clip ratios and refit passes).

@@ -419,7 +419,8 @@ def test_calibrated_formats_share_their_base_layout_but_not_its_cache(qwen3_chec
         cal = f"{base}-gptq"
         a, b = expert_layout(base, 128, 256, torch.bfloat16), expert_layout(cal, 128, 256, torch.bfloat16)
         assert a.slots == b.slots and a.nbytes == b.nbytes and b.quant_method == "gptq"
-        assert cache_key(qwen3_checkpoint, base, torch.float32) != cache_key(qwen3_checkpoint, cal, torch.float32)
+        keys = {cache_key(qwen3_checkpoint, p, torch.float32) for p in (base, cal)}
+        assert len(keys) == 2
     with pytest.raises(ValueError, match="hessians"):
         gate_up, down = gaussian((1, 256, 256)), gaussian((1, 256, 128))
         meta = expert_layout("int2+2-gptq", 128, 256, torch.float32)

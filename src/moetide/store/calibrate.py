@@ -76,7 +76,7 @@ def _experts_modules(model) -> list:
     found = [
         m
         for m in model.modules()
-        if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and isinstance(m.gate_up_proj, torch.nn.Parameter)
+        if hasattr(m, "down_proj") and isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)
     ]
     if not found:
         raise ConfigError("calibration needs a transformers MoE with fused experts (gate_up_proj, down_proj)")

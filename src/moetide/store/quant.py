@@ -396,7 +396,8 @@ def quantize_gptq(
     column-by-column rounding. Returns the QuantizedMatrix of the (P * N, K) stack."""
     if weight.dim() != 3 or hessian.shape != (weight.shape[0], weight.shape[2], weight.shape[2]):
         raise ValueError(
-            f"expected weight (P, N, K) and hessian (P, K, K), got {tuple(weight.shape)}, {tuple(hessian.shape)}"
+            "expected weight (P, N, K) and hessian (P, K, K), got"
+            f" {tuple(weight.shape)}, {tuple(hessian.shape)}"
         )
     p, n_rows, k = weight.shape
     group_size = _check_quant_args(weight.reshape(p * n_rows, k), bits, group_size, "ls")
