@@ -143,6 +143,10 @@ def test_ladder_names_are_checked_against_the_registry():
     assert ladder_of("int4>int2+4") == ("int4", "int2+4")
     assert ladder_of("dynamic") == ("bf16", "int2") and ladder_of("hi>int2") == ("bf16", "int2")
     assert ladder_of("int2+4") is None
+    assert ladder_of("int4>int2+4-gptq") == ("int4", "int2+4-gptq")  # a calibrated cold tier
+    from moetide.eval.quality import DEFAULT_CONFIGS
+
+    assert not any("gptq" in c for c in DEFAULT_CONFIGS)  # calibration runs only when asked
     with pytest.raises(ConfigError, match="more bytes"):
         EvalSpec(configs=["int2>int4"])
     with pytest.raises(ConfigError, match="HOT>COLD"):

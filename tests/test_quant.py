@@ -392,3 +392,17 @@ def test_cuda_forward_matches_cpu(precision):
     y_cpu = expert_forward(x, cpu_views, meta).float()
     y_cuda = expert_forward(x.cuda(), cuda_views, meta).float().cpu()
     assert relative_error(y_cuda, y_cpu) < 1e-2  # bf16 matmuls: accumulation order differs
+
+
+def test_row_chunking_never_changes_the_least_squares_result(monkeypatch):
+    """The "ls" chunk size (QUANT_CHUNK_ELEMENTS on the CPU, QUANT_CHUNK_ELEMENTS_GPU on a GPU) only
+    bounds memory: one chunk and many give the same codes and parameters."""
+    from moetide.store import quant as q
+
+    weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(3)) * 0.02
+    monkeypatch.setattr(q, "QUANT_CHUNK_ELEMENTS", 1 << 30)
+    whole = q.quantize(weight, 2, 128, "ls")
+    monkeypatch.setattr(q, "QUANT_CHUNK_ELEMENTS", 256 * 8)
+    chunked = q.quantize(weight, 2, 128, "ls")
+    for a, b in zip(whole[:3], chunked[:3]):
+        assert torch.equal(a, b)

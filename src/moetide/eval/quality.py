@@ -58,11 +58,20 @@ from ..store.formats import FORMATS, normalize_precision, precision_names
 STATIC = precision_names()  # "bf16", then every low-bit format, most bytes first
 LADDER_ALIASES = {"dynamic": "bf16>int2", "dynamic-int4": "int4>int2"}
 STATIC_POLICY = {"bf16": "no-offload", "int4": "static-int4", "int2": "static-int2"}
-DEFAULT_CONFIGS = (*STATIC, "bf16>int2", "int4>int2", "bf16>int2+4", "int4>int2+4")
+# calibrated formats ("-gptq") only when asked: their first use runs a calibration pass (cached)
+UNCALIBRATED = tuple(c for c in STATIC if c == "bf16" or not FORMATS[c].calibration)
+DEFAULT_CONFIGS = (*UNCALIBRATED, "bf16>int2", "int4>int2", "bf16>int2+4", "int4>int2+4")
 CONFIGS = (*STATIC, *LADDER_ALIASES)  # names accepted besides any HOT>COLD ladder
 WORKLOADS = ("code", "non-english", "chat")
 # Names of the static formats in the summary (results/targets.json keys).
-SUMMARY_KEYS = {"int4": "int4", "int2+4": "int2_down4", "int2+2": "int2_down_g32", "int2": "int2"}
+SUMMARY_KEYS = {
+    "int4": "int4",
+    "int2+4": "int2_down4",
+    "int2+4-gptq": "int2_down4_gptq",
+    "int2+2": "int2_down_g32",
+    "int2+2-gptq": "int2_down_g32_gptq",
+    "int2": "int2",
+}
 
 
 def ladder_of(name: str) -> tuple[str, str] | None:

@@ -5,7 +5,8 @@ and `moetide eval` read this table; `store.quant` builds layouts from it. Adding
 whole change (the layout, packing and dequantization follow the spec).
 
 Names: "hi" (alias "bf16": the checkpoint's dtype), "int<b>" (gate_up and down both b bits),
-"int<g>+<d>" (gate_up g bits, down d bits). Group sizes run along each matrix's input dimension
+"int<g>+<d>" (gate_up g bits, down d bits); a "-gptq" suffix marks a calibrated variant (same
+layout and bytes; `FormatSpec.calibration`). Group sizes run along each matrix's input dimension
 (H for gate_up, I for down); each is the preferred size, halved while it does not divide K
 (`quant.default_group_size`); None = the default for that width.
 """
@@ -26,6 +27,10 @@ class FormatSpec:
     group_size_gate_up: int | None = None
     group_size_down: int | None = None
     summary: str = ""
+    # "" or "gptq": the codes are chosen by GPTQ against activation statistics of the checkpoint's
+    # own forward on calibration data (`store.calibrate`: the demo's ShareGPT training split, never
+    # the held-out one). Same layout and bytes as the uncalibrated format of those bits and groups.
+    calibration: str = ""
 
     @property
     def is_low_bit(self) -> bool:
@@ -46,9 +51,17 @@ FORMATS = MappingProxyType(
         "int2+4": FormatSpec(
             "int2+4", 2, 4, 128, 64, summary="int2 gate_up (group 128), int4 down (group 64)"
         ),
+        # "-gptq": the same layout, codes chosen by GPTQ on calibration activations (opt-in; never
+        # chosen by --lo auto, which meets the uncalibrated format of the same bytes first)
+        "int2+4-gptq": FormatSpec(
+            "int2+4-gptq", 2, 4, 128, 64, summary="int2+4, GPTQ-calibrated codes", calibration="gptq"
+        ),
         # int2 with down's groups 4x smaller: the 2.5 bits of int2 in groups of 64, but a third less
         # of its loss increase on the demo model (docs/quantization.md)
         "int2+2": FormatSpec("int2+2", 2, 2, 128, 32, summary="int2, groups 128 (gate_up) / 32 (down)"),
+        "int2+2-gptq": FormatSpec(
+            "int2+2-gptq", 2, 2, 128, 32, summary="int2+2, GPTQ-calibrated codes", calibration="gptq"
+        ),
         "int2": FormatSpec("int2", 2, 2, 128, 128, summary="int2, group 128"),
     }
 )

@@ -147,13 +147,21 @@ class HostExpertStore:
             )
 
     # -- lo versions -----------------------------------------------------------------------------------
-    def add_precision(self, precision: str, progress=None, device: torch.device | str | None = None) -> None:
+    def add_precision(
+        self,
+        precision: str,
+        progress=None,
+        device: torch.device | str | None = None,
+        hessians: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """Quantize every hi expert into a new `precision` arena (any low-bit `quant.FORMATS` name).
 
         Experts are quantized `experts_per_batch` at a time, stacked into one matrix per projection
         (`quant.pack_experts`). `device`: where the quantizer runs (a GPU is faster for large models;
         the result is the same function of the weights, and lands in host memory either way).
         `progress`: anything with `update(n)` (a tqdm bar), advanced by experts.
+        `hessians`: a calibrated format's per-expert input statistics, (L*E, H, H) and (L*E, I, I)
+        in expert order (`store.calibrate.expert_hessians`).
         """
         from . import quant
 
@@ -165,13 +173,16 @@ class HostExpertStore:
         for start in range(0, arena.shape[0], step):
             stop = min(start + step, arena.shape[0])
             gate_up, down = gate_up_all[start:stop], down_all[start:stop]
+            part = None if hessians is None else (hessians[0][start:stop], hessians[1][start:stop])
             if device is not None:
                 gate_up, down = gate_up.to(device), down.to(device)
+                if part is not None:
+                    part = (part[0].to(device), part[1].to(device))
                 rows = torch.empty((stop - start, meta.nbytes), dtype=torch.uint8, device=device)
-                quant.pack_experts(gate_up, down, meta, rows)
+                quant.pack_experts(gate_up, down, meta, rows, part)
                 arena[start:stop].copy_(rows)
             else:
-                quant.pack_experts(gate_up, down, meta, arena[start:stop])
+                quant.pack_experts(gate_up, down, meta, arena[start:stop], part)
             if progress is not None:
                 progress.update(stop - start)
 

@@ -54,6 +54,10 @@ def cache_key(checkpoint: Path, precision: str, values_dtype: torch.dtype) -> st
         f":{_DTYPE_NAMES[values_dtype]}:{quant.DEFAULT_QUANT_METHOD}:{dict(quant.DEFAULT_GROUP_SIZE)}"
         f":{quant.HQQ_ITERS}:{quant.LS_ITERS}:{dict(quant.LS_CLIP_RATIOS)}".encode()
     )
+    if spec.calibration:  # the calibration data and method decide the codes too
+        from .calibrate import calibration_settings
+
+        h.update(f":{spec.calibration}:{quant.GPTQ_DAMP}:{calibration_settings()}".encode())
     h.update(f"v{FORMAT_VERSION}".encode())
     return h.hexdigest()[:20]
 
@@ -154,8 +158,16 @@ def ensure_precision(
     if load_cached(store, path, precision):
         return path
     total = store.num_layers * store.num_experts
+    device = "cuda" if torch.cuda.is_available() else None
+    hessians = None
+    from . import quant
+
+    if quant.format_spec(precision).calibration:
+        from .calibrate import expert_hessians
+
+        hessians = expert_hessians(checkpoint, path.parent, total, device)
     with progress_bar(total, f"quantizing experts to {precision}", "expert", progress) as bar:
-        store.add_precision(precision, progress=bar, device="cuda" if torch.cuda.is_available() else None)
+        store.add_precision(precision, progress=bar, device=device, hessians=hessians)
     if not write_cache:
         return None
     try:

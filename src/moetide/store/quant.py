@@ -44,7 +44,7 @@ Metadata schema (`QuantMeta`, frozen, hashable):
     bits_down            b_dn: likewise, for down
     group_size_gate_up   g_gu (0 for hi): group size along H for gate_up
     group_size_down      g_dn (0 for hi): group size along I for down
-    quant_method         "rtn" | "mse" | "hqq" | "" (hi); how the parameters were chosen (informational)
+    quant_method         "rtn" | "mse" | "hqq" | "ls" | "gptq" | "" (hi); how the parameters were chosen (informational)
     slots                tuple of TensorSlot(name, dtype, shape, offset_bytes), in buffer order
     nbytes               total buffer size, a multiple of ALIGN_BYTES
     bits                 (property) the one bit width of a uniform format; ValueError for a mixed one
@@ -94,7 +94,7 @@ HI_PRECISION_ALIASES = HI_ALIASES
 LOW_BIT_PRECISIONS = MappingProxyType(
     {n: f.bits_gate_up for n, f in FORMATS.items() if f.is_low_bit and f.bits_gate_up == f.bits_down}
 )
-QUANT_METHODS = frozenset({"rtn", "mse", "hqq", "ls"})
+QUANT_METHODS = frozenset({"rtn", "mse", "hqq", "ls", "gptq"})
 DEFAULT_QUANT_METHOD = "ls"
 
 # "ls": a few clip ratios, then joint least-squares refits of scale and offset (below). Measured on
@@ -105,6 +105,10 @@ LS_CLIP_RATIOS = MappingProxyType({4: (1.0, 0.95, 0.9, 0.8), 2: (1.0, 0.8, 0.7, 
 LS_ITERS = 6
 # Elements per chunk of rows: a chunk's float32 temporaries (1 MiB each) stay in the CPU's caches.
 QUANT_CHUNK_ELEMENTS = 1 << 18
+# On a GPU the chunk only bounds the temporaries' memory (16M elements: ~64 MiB each); small chunks
+# there cost one kernel launch per op per chunk (a batch of OLMoE experts is 240 chunks of 2^18).
+# Rows are independent, so the chunking never changes a result.
+QUANT_CHUNK_ELEMENTS_GPU = 1 << 24
 
 # Clip ratios tried by the "mse" range search: the group's [min, max] window shrunk about its midpoint.
 # Low-bit grids waste levels on the few extreme weights: on Gaussian weights the chosen ratio is
@@ -268,7 +272,8 @@ def _quantize_ls(
     codes = torch.empty((n_rows, k), dtype=torch.uint8, device=weight.device)
     scale = torch.empty((n_rows, k // group_size), dtype=PARAM_DTYPE, device=weight.device)
     offset = torch.empty_like(scale)
-    step = max(1, QUANT_CHUNK_ELEMENTS // k)
+    chunk = QUANT_CHUNK_ELEMENTS if weight.device.type == "cpu" else QUANT_CHUNK_ELEMENTS_GPU
+    step = max(1, chunk // k)
     chunks = [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
 
     if importance is not None:
@@ -368,6 +373,120 @@ def _ls_params(groups: torch.Tensor, bits: int, weights: torch.Tensor | None = N
         error = torch.where(better, new_error, error)
         codes = torch.where(better, new_codes, codes)
     return scale, offset, codes
+
+
+# GPTQ (Frantar et al., 2022) on each expert's input statistics: columns are rounded one at a time
+# and each rounding error is spread over the columns not yet rounded through the inverse Hessian's
+# Cholesky factor, so the expert's *output* error on the calibration inputs is what gets minimized,
+# not the weight error. Groups keep the asymmetric (scale, offset) of the layout; a group's pair is
+# fixed when its first column is reached, from the LS_CLIP_RATIOS window with the least
+# Hessian-diagonal-weighted error on the (already error-compensated) weights. GPTQ_DAMP: the paper's
+# dampening, a share of the mean diagonal added to the diagonal (keeps the factorization stable for
+# channels the calibration data barely excites). Measured on the demo model: docs/quantization.md.
+GPTQ_DAMP = 0.01
+GPTQ_BLOCK = 32
+
+
+def quantize_gptq(
+    weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int | None = None
+) -> QuantizedMatrix:
+    """GPTQ of P matrices at once: weight (P, N, K), hessian (P, K, K) = sum over calibration
+    inputs x (K,) of x x^T for each matrix (any scale: only its shape matters). A matrix whose
+    Hessian is all zero (never selected during calibration) gets the identity, i.e. plain
+    column-by-column rounding. Returns the QuantizedMatrix of the (P * N, K) stack."""
+    if weight.dim() != 3 or hessian.shape != (weight.shape[0], weight.shape[2], weight.shape[2]):
+        raise ValueError(
+            "expected weight (P, N, K) and hessian (P, K, K), got"
+            f" {tuple(weight.shape)}, {tuple(hessian.shape)}"
+        )
+    p, n_rows, k = weight.shape
+    group_size = _check_quant_args(weight.reshape(p * n_rows, k), bits, group_size, "ls")
+    workers = torch.get_num_threads()
+    if weight.device.type == "cpu" and p > 1 and workers > 1:
+        # small per-column ops: one Python thread per core, ops single-threaded (as `_quantize_ls`)
+        step = -(-p // workers)
+        parts: dict[int, QuantizedMatrix] = {}
+
+        def run(start: int) -> None:
+            stop = min(start + step, p)
+            parts[start] = _gptq(weight[start:stop], hessian[start:stop], bits, group_size)
+
+        _run_single_threaded_ops(run, list(range(0, p, step)))
+        ordered = [parts[start] for start in sorted(parts)]
+        return QuantizedMatrix(
+            torch.cat([q.codes for q in ordered]),
+            torch.cat([q.scale for q in ordered]),
+            torch.cat([q.offset for q in ordered]),
+            bits,
+            group_size,
+        )
+    return _gptq(weight, hessian, bits, group_size)
+
+
+def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int) -> QuantizedMatrix:
+    p, n_rows, k = weight.shape
+    qmax, tiny = 2**bits - 1, torch.finfo(PARAM_DTYPE).tiny
+    w = weight.to(torch.float32).clone()
+    h = hessian.to(w.device, torch.float64).clone()
+    diag = torch.diagonal(h, dim1=-2, dim2=-1)
+    dead = diag <= 0
+    diag.add_(GPTQ_DAMP * diag.clamp_min(0).mean(-1, keepdim=True) + dead.to(h.dtype))
+    empty = diag.sum(-1) == dead.sum(-1)  # a matrix never selected: identity
+    h[empty] = torch.eye(k, dtype=h.dtype, device=h.device)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(torch.float32)
+    importance = torch.diagonal(h, dim1=-2, dim2=-1).to(torch.float32)[:, None, :]  # (P, 1, K)
+    groups = k // group_size
+    scale = torch.empty((p, n_rows, groups), dtype=torch.float32, device=w.device)
+    offset = torch.empty_like(scale)
+    # columns as contiguous rows: wt (P, K, N), so column j is wt[:, j] and its update is one axpy
+    wt = w.transpose(1, 2).contiguous()
+    codes_t = torch.empty((p, k, n_rows), dtype=torch.uint8, device=w.device)
+    block = min(GPTQ_BLOCK, group_size)  # "lazy batch" updates: columns beyond a block by one bmm
+    for b0 in range(0, k, block):
+        b1 = b0 + block
+        if b0 % group_size == 0:
+            gi = b0 // group_size
+            g1 = b0 + group_size
+            s, o = _weighted_window(wt[:, b0:g1].transpose(1, 2), importance[:, :, b0:g1], bits, tiny)
+            scale[:, :, gi], offset[:, :, gi] = s, o
+            inv_s, o_s = 1.0 / s, -o / s
+        errors = torch.empty((p, block, n_rows), dtype=torch.float32, device=w.device)
+        for j in range(b0, b1):
+            c = torch.addcmul(o_s, wt[:, j], inv_s).round_().clamp_(0, qmax)
+            codes_t[:, j] = c.to(torch.uint8)
+            e = (wt[:, j] - torch.addcmul(o, c, s)) / u[:, j, j, None]
+            wt[:, j:b1] -= u[:, j, j:b1, None] * e[:, None, :]
+            errors[:, j - b0] = e
+        if b1 < k:
+            wt[:, b1:] -= torch.bmm(u[:, b0:b1, b1:].transpose(1, 2), errors)
+    codes = codes_t.transpose(1, 2)
+    return QuantizedMatrix(
+        codes.reshape(p * n_rows, k).contiguous(),
+        scale.reshape(p * n_rows, groups).to(PARAM_DTYPE),
+        offset.reshape(p * n_rows, groups).to(PARAM_DTYPE),
+        bits,
+        group_size,
+    )
+
+
+def _weighted_window(groups: torch.Tensor, importance: torch.Tensor, bits: int, tiny: float):
+    """(scale, offset) (P, N) PARAM_DTYPE-rounded: the LS_CLIP_RATIOS window of each group (P, N, g)
+    with the least `importance`-weighted (P, 1, g) squared error."""
+    qmax = 2**bits - 1
+    w_min, w_max = groups.amin(-1), groups.amax(-1)
+    midpoint, width = (w_max + w_min) / 2, w_max - w_min
+    best = None
+    for ratio in LS_CLIP_RATIOS[bits]:
+        s = _round_param((width * (ratio / qmax)).clamp_min(tiny))
+        o = _round_param(midpoint - width * (ratio / 2))
+        c = ((groups - o[..., None]) / s[..., None]).round().clamp(0, qmax)
+        err = ((c * s[..., None] + o[..., None] - groups).square() * importance).sum(-1)
+        if best is None:
+            best = [s, o, err]
+            continue
+        better = err < best[2]
+        best = [torch.where(better, new, old) for new, old in zip((s, o, err), best)]
+    return best[0], best[1]
 
 
 def dequantize_matrix(
@@ -611,6 +730,7 @@ def expert_layout(
     if quant_method not in QUANT_METHODS:
         raise ValueError(f"quant_method must be one of {sorted(QUANT_METHODS)}, got {quant_method!r}")
     spec = FORMATS[precision]
+    quant_method = spec.calibration or quant_method  # a calibrated format's codes come from its method
     gs_gate_up, gs_down = _split_group_sizes(group_size, spec, intermediate_size, hidden_size)
     _check_group_size(hidden_size, gs_gate_up, spec.bits_gate_up)
     _check_group_size(intermediate_size, gs_down, spec.bits_down)
@@ -666,8 +786,17 @@ def pack_expert(
     return buffer, meta
 
 
-def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, meta: QuantMeta, rows: torch.Tensor) -> None:
+def pack_experts(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    meta: QuantMeta,
+    rows: torch.Tensor,
+    hessians: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Quantize and pack P experts at once into `rows (P, >= meta.nbytes)` uint8, in `meta`'s layout.
+
+    hessians: for meta.quant_method "gptq" (a calibrated format), each projection's input second
+    moments per expert, (P, H, H) for gate_up and (P, I, I) for down (`store.calibrate`).
 
     gate_up (P, 2I, H), down (P, H, I), any float dtype and device. Groups run along rows, so P
     experts stacked are one (P * N, K) matrix per projection: a few hundred large kernels instead of
@@ -686,7 +815,13 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor, meta: QuantMeta, row
     ):
         p, n_rows, k = weight.shape
         bits = meta.bits_of(name)
-        q = quantize(weight.reshape(p * n_rows, k), bits, group_size, meta.quant_method)
+        if meta.quant_method == "gptq":
+            if hessians is None:
+                raise ValueError(f"{meta.precision} is calibrated: pack_experts needs hessians")
+            hessian = hessians[0] if name == "gate_up" else hessians[1]
+            q = quantize_gptq(weight, hessian, bits, group_size)
+        else:
+            q = quantize(weight.reshape(p * n_rows, k), bits, group_size, meta.quant_method)
         views[f"{name}_packed"].copy_(pack(q.codes, bits).view(p, n_rows, -1))
         views[f"{name}_scale"].copy_(q.scale.view(p, n_rows, -1))
         views[f"{name}_offset"].copy_(q.offset.view(p, n_rows, -1))
