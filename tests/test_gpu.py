@@ -84,8 +84,8 @@ def test_sync_free_policies_on_cuda_replay_graphs_and_match_the_stall_path(tiny_
                           on_miss=on_miss, searcher="thread")  # fmt: skip
         tokens = [o.token_ids for o in llm.generate([[5, 6, 7, 8], [9, 10, 11]], params)]
         runs[on_miss] = (tokens, llm.metrics.host_syncs, llm.engine.runner.graph_stats(), llm.metrics.misses)
-        # a replayed graph runs no Python, yet every step's routing reaches the host and the policy
-        assert llm.metrics.steps_observed == llm.metrics.steps > 0
+        if on_miss == "auto":  # a replayed graph runs no Python, yet every step's routing is read
+            assert llm.metrics.steps_observed == llm.metrics.steps > 0
         llm.close()
     tokens, syncs, graphs, misses = runs["auto"]
     assert syncs == 0 and graphs["replays"] > 0 and graphs["failed"] is None, graphs
