@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_residency import EXPERTS, LAYERS, STORE, make_manager
 
+from moetide.residency.slot_table import UNUSED
 from moetide.residency.transfer import CpuTransfer, ThreadEvent
 from moetide.store import quant
 
@@ -86,10 +87,10 @@ class DeviceTableMachine(RuleBasedStateMachine):
         table = m._table_device.clone().numpy()
         m.end_step()
         self.in_flight.append((table, m.transfer.markers[-1]))
-        mask = np.zeros((LAYERS, EXPERTS), dtype=bool)
+        ran = np.full((LAYERS, EXPERTS), UNUSED, dtype=np.int32)
         for layer, expert in used:
-            mask[layer, expert] = True
-        m.observe_step(m.table_snapshot(), mask, self.iteration)
+            ran[layer, expert] = table[layer, 0, expert]
+        m.observe_step(ran, self.iteration)
         if len(self.in_flight) > IN_FLIGHT:
             self._complete_oldest()
 

@@ -258,6 +258,12 @@ class TraceSimulator:
         clock: a `VirtualClock` advanced by `step_time(step)` after each step (pass the same clock to
             time-based policies such as DynaExq).
         on_step: callback(step_index, simulator) after each step (for timelines).
+        decision_lag: 0 = decisions within the running step (the paper's FineMoE: the policy sees
+            each layer as it runs and its prefetches serve later layers of the same step). k > 0 =
+            the engine's sync-free steps: the policy sees a step after all its layers ran, its
+            requests reach the cache k steps after the step it observed (the engine: 2,
+            `residency.core.TABLE_LAG`), and a miss is cached for the next step on (the engine
+            reads it zero-copy and copies it in at the next step boundary).
     """
 
     def __init__(
@@ -273,8 +279,12 @@ class TraceSimulator:
         clock: VirtualClock | None = None,
         step_time: StepTime = default_step_time,
         on_step: Callable[[int, TraceSimulator], None] | None = None,
+        decision_lag: int = 0,
     ):
         m = trace.meta
+        self.decision_lag = int(decision_lag)
+        self._deferred: list[tuple[int, str, tuple]] = []  # (apply at step, kind, args)
+        self._missed: list[int] = []  # keys missed in the running step (decision_lag > 0)
         self.trace = trace
         self.policy = policy
         if eviction == "policy":
@@ -325,10 +335,14 @@ class TraceSimulator:
         return True
 
     def prefetch(self, layer, experts, *, iteration, priorities=None, protect=False) -> None:
+        if self.decision_lag and not self._applying:
+            at = self._iteration + self.decision_lag
+            self._deferred.append((at, "prefetch", (layer, tuple(experts), iteration, priorities, protect)))
+            return
         if protect:
             self.protect(layer, experts, iteration=iteration)
         with self._lock:
-            if not self._admissible(layer, iteration):
+            if not self.decision_lag and not self._admissible(layer, iteration):
                 return
             J = self.cache.J
             for i, e in enumerate(experts):
@@ -345,8 +359,11 @@ class TraceSimulator:
                     self.result.prefetch_dropped_capacity += 1
 
     def protect(self, layer, experts, *, iteration) -> None:
+        if self.decision_lag and not self._applying:
+            self._deferred.append((self._iteration + self.decision_lag, "protect", (layer, tuple(experts), iteration)))
+            return
         with self._lock:
-            if iteration != self._iteration or layer <= self._observed_layer:
+            if not self.decision_lag and (iteration != self._iteration or layer <= self._observed_layer):
                 return
             J = self.cache.J
             for e in experts:
@@ -389,7 +406,10 @@ class TraceSimulator:
         cache.pinned[keys] = True
         for key in keys[~resident]:
             r.on_demand_loads += 1
-            cache.insert(int(key), prefetch=False)  # when all slots are pinned it streams through
+            if self.decision_lag:
+                self._missed.append(int(key))  # read in place now, cached from the next step on
+            else:
+                cache.insert(int(key), prefetch=False)  # when all slots are pinned it streams through
         cache.touch(keys)
         cache.prob[layer * J : (layer + 1) * J] = step.gate_probs[layer].numpy()
         cache.protected[layer * J : (layer + 1) * J] = False  # this layer's protection has served
@@ -397,6 +417,41 @@ class TraceSimulator:
         flat = ids.reshape(-1).numpy()
         r.selections += flat.size
         r.hi_selections += int(self.hi[layer, flat].sum())
+
+    _applying = False
+
+    def _observe_step(self, s: int, step, request_ids, spec) -> None:
+        """decision_lag > 0: the whole step is shown to the policy after it ran."""
+        policy = self.policy
+        policy.begin_iteration(s, step.embedding, step.num_tokens, request_ids=request_ids)
+        for layer in range(self.trace.meta.num_layers):
+            policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+            for d in spec:
+                ids = step.spec(layer, d)
+                if ids is not None:
+                    policy.observe_speculative(s, layer, d, ids)
+        policy.end_iteration(s)
+
+    def _apply_deferred(self, s: int) -> None:
+        """At the start of step `s` (decision_lag > 0): cache last step's misses, then apply the
+        requests that have reached the cache by now."""
+        for key in self._missed:
+            if not self.cache.resident[key]:
+                self.cache.insert(key, prefetch=False)
+        self._missed.clear()
+        due = [d for d in self._deferred if d[0] <= s]
+        self._deferred = [d for d in self._deferred if d[0] > s]
+        self._applying = True
+        try:
+            for _, kind, args in due:
+                if kind == "prefetch":
+                    layer, experts, iteration, priorities, protect = args
+                    self.prefetch(layer, list(experts), iteration=iteration, priorities=priorities, protect=protect)
+                else:
+                    layer, experts, iteration = args
+                    self.protect(layer, list(experts), iteration=iteration)
+        finally:
+            self._applying = False
 
     def run(self) -> SimulationResult:
         policy, r = self.policy, self.result
@@ -412,19 +467,27 @@ class TraceSimulator:
                     p.clear()
                 self.cache.protected[:] = False
             request_ids = (step.request_id,) if step.request_id >= 0 else ()
-            policy.begin_iteration(s, step.embedding, step.num_tokens, request_ids=request_ids)
-            for layer in range(L):
-                with self._lock:
-                    self._run_layer(step, layer)
-                    self._observed_layer = layer
-                policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
-                for d in spec:
-                    ids = step.spec(layer, d)
-                    if ids is not None:
-                        policy.observe_speculative(s, layer, d, ids)
-                with self._lock:
-                    self.cache.pinned[layer * self.cache.J : (layer + 1) * self.cache.J] = False
-            policy.end_iteration(s)
+            if self.decision_lag:
+                self._apply_deferred(s)
+                for layer in range(L):
+                    with self._lock:
+                        self._run_layer(step, layer)
+                self.cache.pinned[:] = False
+                self._observe_step(s, step, request_ids, spec)  # after the step, as the engine does
+            else:
+                policy.begin_iteration(s, step.embedding, step.num_tokens, request_ids=request_ids)
+                for layer in range(L):
+                    with self._lock:
+                        self._run_layer(step, layer)
+                        self._observed_layer = layer
+                    policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+                    for d in spec:
+                        ids = step.spec(layer, d)
+                        if ids is not None:
+                            policy.observe_speculative(s, layer, d, ids)
+                    with self._lock:
+                        self.cache.pinned[layer * self.cache.J : (layer + 1) * self.cache.J] = False
+                policy.end_iteration(s)
             dt = self.step_time(step)
             self.clock.advance(dt)
             self.step_times.append(self.clock.now)

@@ -6,6 +6,7 @@ of the step's bytes into a pinned host slot, and the next step's start (`take_re
 hands the records whose copy has landed to the host (`StepRecord`). Shapes, for a step of T tokens:
 
     ids      (L, T, k)  int32    experts the router chose (written by the runtime, every layer)
+    pools    (L, T, k)  int32    the pool each choice was read from (the table as the layer read it)
     logits   (L, T, E)  float32  router logits (written by the policy hooks, when a policy observes)
     spec     (L, T, k)  int32    speculative top-k of router l+d on layer l's input (LRU's guess)
     embed    (H,)       float32  the step's mean embedding-layer output (FineMoE's semantic key)
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..residency.slot_table import UNUSED
+
 HOST_SLOTS = 4  # pinned copies in flight at once (a record is read at most a few steps later)
 
 
@@ -34,6 +37,7 @@ class StepRecord:
     iteration: int
     num_tokens: int
     ids: np.ndarray  # (L, T, k) int32
+    pools: np.ndarray | None  # (L, T, k) int32
     logits: np.ndarray | None  # (L, T, E) float32
     spec: np.ndarray | None  # (L, T, k) int32
     embed: np.ndarray | None  # (H,) float32
@@ -46,23 +50,26 @@ class StepRecord:
         e = np.exp(x - x.max(axis=-1, keepdims=True))
         return (e / e.sum(axis=-1, keepdims=True)).mean(axis=0).astype(np.float32)
 
-    def used(self) -> np.ndarray:
-        """(L, E) bool: experts some token of the step ran at each layer."""
+    def ran_from(self) -> np.ndarray:
+        """(L, E) int32: the pool each expert of each layer ran from in this step, -2 where no token
+        chose it (needs `pools`)."""
         L, T, k = self.ids.shape
-        used = np.zeros((L, self.num_experts), dtype=bool)
+        ran = np.full((L, self.num_experts), UNUSED, dtype=np.int32)
         rows = np.repeat(np.arange(L), T * k)
-        used[rows, self.ids.reshape(-1)] = True
-        return used
+        ran[rows, self.ids.reshape(-1)] = self.pools.reshape(-1)
+        return ran
 
 
 class _Layout:
     """Byte offsets of each region for a step of `tokens` tokens."""
 
-    def __init__(self, L: int, E: int, k: int, H: int, tokens: int, logits: bool, spec: bool, embed: bool):
+    def __init__(self, L, E, k, H, tokens: int, logits: bool, spec: bool, embed: bool, pools: bool):
         self.tokens = tokens
         offset = 0
         self.ids = (offset, L * tokens * k)
         offset += 4 * L * tokens * k
+        self.pools = (offset, L * tokens * k) if pools else None
+        offset += 4 * L * tokens * k if pools else 0
         self.logits = (offset, L * tokens * E) if logits else None
         offset += 4 * L * tokens * E if logits else 0
         self.spec = (offset, L * tokens * k) if spec else None
@@ -88,6 +95,7 @@ class StepObservations:
         self.want_logits = False  # set by the policy hooks
         self.want_spec = False
         self.want_embed = False
+        self.want_pools = False  # set by the runtime where its residency accounts each step
         self._fixed: torch.Tensor | None = None
         self._growing: torch.Tensor | None = None
         self._host: list[torch.Tensor | None] = [None] * HOST_SLOTS
@@ -99,18 +107,19 @@ class StepObservations:
         self._step: tuple | None = None
         self._step_tokens: int | None = None
 
-    def want(self, *, logits: bool = False, spec: bool = False, embed: bool = False) -> None:
-        """Which regions beyond the ids are recorded (the policy hooks ask, before any step)."""
+    def want(self, *, logits: bool = False, spec: bool = False, embed: bool = False, pools: bool = False) -> None:
+        """Which regions beyond the ids are recorded (asked for before any step)."""
         self.want_logits |= logits
         self.want_spec |= spec
         self.want_embed |= embed
+        self.want_pools |= pools
         self._fixed = self._growing = None
         self._views.clear()
 
     # -- the forward pass (device ops only) --------------------------------------------------------
     def layout(self, tokens: int) -> _Layout:
         L, E, k, H = self.shape
-        return _Layout(L, E, k, H, tokens, self.want_logits, self.want_spec, self.want_embed)
+        return _Layout(L, E, k, H, tokens, self.want_logits, self.want_spec, self.want_embed, self.want_pools)
 
     def _buffer_for(self, nbytes: int, tokens: int) -> torch.Tensor:
         if tokens <= self.decode_tokens:
@@ -134,6 +143,9 @@ class StepObservations:
             L, E, k, H = self.shape
             views = {"buffer": buf[: lay.nbytes]}
             views["ids"] = buf[lay.ids[0] : lay.ids[0] + 4 * lay.ids[1]].view(torch.int32).view(L, tokens, k)
+            if lay.pools:
+                start = lay.pools[0]
+                views["pools"] = buf[start : start + 4 * lay.pools[1]].view(torch.int32).view(L, tokens, k)
             if lay.logits:
                 start = lay.logits[0]
                 views["logits"] = buf[start : start + 4 * lay.logits[1]].view(torch.float32).view(L, tokens, E)
@@ -159,6 +171,13 @@ class StepObservations:
     def record_ids(self, layer: int, top_k_index: torch.Tensor) -> None:
         """`top_k_index (T, k)` of MoE layer `layer` into the step's ids region."""
         self._tokens(top_k_index.shape[0])["ids"][layer].copy_(top_k_index)
+
+    @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
+    def record_pools(self, layer: int, pool_of: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        """The pool each of `top_k_index (T, k)`'s choices reads at this moment: `pool_of (E,)`
+        gathered on the device (what the layer's kernel reads next, mid-step publications included)."""
+        out = self._tokens(top_k_index.shape[0])["pools"][layer]
+        torch.index_select(pool_of, 0, top_k_index.reshape(-1), out=out.view(-1))
 
     @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
     def record_logits(self, layer: int, logits: torch.Tensor) -> None:
@@ -246,6 +265,7 @@ class StepObservations:
             iteration,
             tokens,
             region(lay.ids, np.int32, (L, tokens, k)),
+            region(lay.pools, np.int32, (L, tokens, k)),
             region(lay.logits, np.float32, (L, tokens, E)),
             region(lay.spec, np.int32, (L, tokens, k)),
             region(lay.embed, np.float32, (H,)),

@@ -135,7 +135,9 @@ class ExpertRuntime:
             self.residency.begin_iteration(self.iteration)
         if self.observations is not None:
             accounts = self._accounts()
-            table = self.residency.table_snapshot() if accounts else None
+            if accounts and not self.observations.want_pools:  # the first step, before any capture
+                self.observations.want(pools=True)
+            table = accounts or None
             # T up front: a replayed CUDA graph writes the step's buffers with no Python to tell
             tokens = num_tokens if accounts or self.observing else None
             self.observations.begin_step(self.iteration, (table, self.step_tags), tokens)
@@ -172,9 +174,9 @@ class ExpertRuntime:
     def _account(self, record: StepRecord) -> None:
         """The residency's part of a finished step: its uses counted, LRU touched, misses cached."""
         self.metrics.steps_observed += 1
-        table, _tags = record.context
-        if table is not None:
-            self.residency.observe_step(table, record.used(), record.iteration)
+        accounts, _tags = record.context
+        if accounts:
+            self.residency.observe_step(record.ran_from(), record.iteration)
 
     def on_embedding(self, embeds: torch.Tensor) -> None:
         """The embedding layer ran: a forward outside the engine's runner opens its own step."""
@@ -189,10 +191,11 @@ class ExpertRuntime:
     ) -> torch.Tensor:
         """Routed experts of one MoE layer: `hidden (T, H)` -> `(T, H)`."""
         accounts = self._accounts()
-        if self.observations is not None and accounts:
-            self.observations.record_ids(layer, top_k_index)  # device copy, read one step later
-            # (where the residency accounts nothing, an attached policy's router hook records them)
         table = self.residency.step_table(layer)
+        if self.observations is not None and accounts:  # device copies, read one step later
+            self.observations.record_ids(layer, top_k_index)
+            self.observations.record_pools(layer, table[0], top_k_index)
+            # (where the residency accounts nothing, an attached policy's router hook records the ids)
         if table is not None:  # the device table: no host sync at all
             if not accounts and hidden.device.type == "cpu":  # a static table; counting is free here
                 used = int(torch.unique(top_k_index).numel())

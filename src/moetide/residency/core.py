@@ -33,7 +33,7 @@ from .budget import BudgetTracker, MemoryPlan
 from .handles import DeviceVersion, ExpertHandle
 from .metrics import ExpertMetrics
 from .pool import SlotPool
-from .slot_table import NOT_RESIDENT
+from .slot_table import NOT_RESIDENT, UNUSED
 from .transfer import PRIORITY_DEMAND, PRIORITY_MIGRATION, PRIORITY_PREFETCH
 
 
@@ -595,11 +595,6 @@ class ResidencyManager:
             return None
         return self._table_device[layer, 0], self._table_device[layer, 1:]
 
-    def table_snapshot(self) -> np.ndarray:
-        """`(L, 1 + P, E)` int32: the pool ids and per-pool slots the next step reads, as the host
-        wrote them (copies publishing mid-step are not in it; for accounting the step's uses)."""
-        return self._table_master.copy()
-
     def _entry(self, h: ExpertHandle) -> tuple[int, int]:
         """Where the table sends expert `h`: its published hi version, else its published lo version,
         else (zero-copy) its hi version in host memory, else nowhere."""
@@ -639,17 +634,18 @@ class ResidencyManager:
         event = self._table_events[turn] = torch.cuda.Event()
         event.record()
 
-    def observe_step(self, table: np.ndarray, used: np.ndarray, iteration: int) -> None:
-        """Account one finished step (table mode, read one step late): `table (L, 1+P, E)` what it read,
-        `used (L, E)` bool the experts it ran. Each use is a hit (the wanted version), a lo run (lo in
-        place of hi) or a miss (read from host memory); used versions are touched for LRU and counted
-        for prob-freq eviction, and a miss asks for its expert to be cached for later steps."""
-        pools = table[:, 0]
+    def observe_step(self, ran: np.ndarray, iteration: int) -> None:
+        """Account one finished step (table mode, read one step late): `ran (L, E)` the pool each
+        expert ran from as its layer read the table (`StepRecord.ran_from`; -2: not used). Each use
+        is a hit (the wanted version), a lo run (lo in place of hi) or a miss (read from host memory);
+        used versions are touched for LRU and counted for prob-freq eviction, and a miss asks for
+        its expert to be cached for the next steps."""
+        used = ran != UNUSED
         hi_id, lo_id, host_id = self.pool_ids["hi"], self.pool_ids["lo"], self.pool_ids["host"]
         wanted = lo_id if self.options.mode == "all-lo" else hi_id
-        hits = (used & (pools == wanted)).sum(axis=1)
-        lo_runs = (used & (pools == lo_id)).sum(axis=1) if wanted != lo_id else np.zeros(len(used), int)
-        misses = (used & ((pools == host_id) | (pools == NOT_RESIDENT))).sum(axis=1)
+        hits = (ran == wanted).sum(axis=1)
+        lo_runs = (ran == lo_id).sum(axis=1) if wanted != lo_id else np.zeros(len(ran), int)
+        misses = ((ran == host_id) | (ran == NOT_RESIDENT)).sum(axis=1)
         for layer, counters in enumerate(self.metrics.layers):
             counters.used += int(used[layer].sum())
             counters.hits += int(hits[layer])
@@ -658,15 +654,15 @@ class ResidencyManager:
         self._visits += used
         names = {hi_id: "hi", lo_id: "lo"}
         for layer, expert in zip(*np.nonzero(used), strict=True):
-            pool = names.get(int(pools[layer, expert]))
+            pool = names.get(int(ran[layer, expert]))
             h = self.handles[layer][expert]
             version = h.versions.get(pool) if pool is not None else None
-            if version is not None and version.slot == table[layer, 1 + pools[layer, expert], expert]:
+            if version is not None:
                 self._touch(h, pool)
                 if version.prefetched:
                     version.prefetched = False
                     self.metrics.bump("prefetches_used")
-            elif pool is None and self.options.mode == "hi-cache":
+            elif pool is None and self.options.mode == "hi-cache" and "hi" not in h.versions:
                 self._prefetch_queue.append((iteration, int(layer), int(expert)))  # cache what was used
 
     # -- set-up and reporting ---------------------------------------------------------------------------

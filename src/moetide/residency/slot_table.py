@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 NOT_RESIDENT = -1
+UNUSED = -2  # in a step's record of where each expert ran from: no token chose it
 
 
 def slot_in_pool(slot_of: torch.Tensor, pool: int, expert: int):
