@@ -45,8 +45,11 @@ def main() -> int:
         used = torch.unique(ids)
         staging = torch.empty(len(used), row_bytes, dtype=torch.uint8, device="cuda")
 
-        def stall():  # what a miss cost before: copy the used experts over, wait, then compute
-            staging.copy_(host_arena[used.cpu()], non_blocking=True)
+        used_host = used.cpu().tolist()
+
+        def stall():  # what a miss costs with --on-miss stall: copy each used expert over, wait, compute
+            for i, e in enumerate(used_host):
+                staging[i].copy_(host_arena[e], non_blocking=True)  # pinned rows: full PCIe rate
             torch.cuda.synchronize()
             return fm.fused_moe(x, ids, weights, pool_of, slot_of, [on_device])
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Compute the fused-path targets from raw GPU results and merge them into results/targets.json.
+"""Compute the fused-path and sync-free targets from raw GPU results; merge them into results/targets.json.
 
     python scripts/record_targets.py --decode results/gpu/X/decode_step.json \
         --layer results/gpu/X/fused_layer.json --date 2026-12-01 --commit abc1234
+    python scripts/record_targets.py --sync-free results/gpu/X/decode_a.json \
+        --dynamic results/gpu/X/decode_b.json --compile off --date 2026-12-01 --commit abc1234
 
 Every value is a ratio or a rate from one raw file (one process, one run); `raw` names that file.
 """
@@ -44,6 +46,30 @@ def decode_targets(runs: list[dict], compile_mode: str) -> dict[str, tuple[float
     }
 
 
+def hf_rate(runs: list[dict], engine: str, batch: int) -> float | None:
+    return next((r["decode_tok_s"] for r in runs if r.get("engine") == engine and r.get("batch") == batch
+                 and "decode_tok_s" in r), None)  # fmt: skip
+
+
+def sync_free_targets(runs: list[dict], compile_mode: str) -> dict[str, tuple[float | None, float, str]]:
+    """Issue 15's targets from one run of combined, static-int2 and transformers (4 GiB, OLMoE shape)."""
+    rate = lambda p, b: decode_rate(runs, p, b, compile_mode)  # noqa: E731
+    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+    return {
+        "combined_bs1_vs_static_int2": (ratio(rate("combined", 1), rate("static-int2", 1)), 0.8, "ge"),
+        "combined_bs32_vs_static_int2": (ratio(rate("combined", 32), rate("static-int2", 32)), 0.8, "ge"),
+        "combined_bs1_vs_transformers": (ratio(rate("combined", 1), hf_rate(runs, "hf", 1)), 3.0, "ge"),
+        "combined_4gib_bs1_tok_s": (rate("combined", 1), 401.4, "ge"),
+        "combined_4gib_bs32_tok_s": (rate("combined", 32), 1227, "ge"),
+    }
+
+
+def dynamic_targets(runs: list[dict]) -> dict[str, tuple[float | None, float, str]]:
+    rates = [r["decode_tok_s"] for r in runs if r.get("batch") == 1 and "decode_tok_s" in r
+             and r.get("policy") in ("finemoe", "dynaexq", "lru", "on-demand", "moe-infinity")]  # fmt: skip
+    return {"dynamic_policies_bs1_min_tok_s": (min(rates) if len(rates) == 5 else None, 100, "ge")}
+
+
 def layer_targets(rows: list[dict]) -> dict[str, tuple[float | None, float, str]]:
     lo = [r["vs_roofline"] for r in rows if r["format"] in ("int4", "int2") and r["tokens"] in (1, 8, 32, 128)]
     return {"lo_kernel_vs_hbm_roofline_worst": (max(lo) if lo else None, 2.0, "le")}
@@ -53,6 +79,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode")
     ap.add_argument("--layer")
+    ap.add_argument("--sync-free", help="decode JSON with combined, static-int2 and the hf baseline")
+    ap.add_argument("--dynamic", help="decode JSON with finemoe, dynaexq, lru, on-demand, moe-infinity at bs 1")
     ap.add_argument("--compile", default="auto", help="which compile setting's decode rows count")
     ap.add_argument("--date", required=True)
     ap.add_argument("--commit", required=True)
@@ -62,6 +90,12 @@ def main() -> int:
     if args.decode:
         runs = json.loads(Path(args.decode).read_text())["runs"]
         found.update({k: (*v, args.decode) for k, v in decode_targets(runs, args.compile).items()})
+    if args.sync_free:
+        runs = json.loads(Path(args.sync_free).read_text())["runs"]
+        found.update({k: (*v, args.sync_free) for k, v in sync_free_targets(runs, args.compile).items()})
+    if args.dynamic:
+        runs = json.loads(Path(args.dynamic).read_text())["runs"]
+        found.update({k: (*v, args.dynamic) for k, v in dynamic_targets(runs).items()})
     if args.layer:
         rows = json.loads(Path(args.layer).read_text())["rows"]
         found.update({k: (*v, args.layer) for k, v in layer_targets(rows).items()})

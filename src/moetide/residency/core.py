@@ -653,7 +653,14 @@ class ResidencyManager:
             counters.misses += int(misses[layer])
         self._visits += used
         names = {hi_id: "hi", lo_id: "lo"}
-        for layer, expert in zip(*np.nonzero(used), strict=True):
+        # only pools that evict need their LRU order kept (a lo pool holding every expert never does),
+        # and only misses ask for anything: the rest of a batch-32 step's ~1,000 uses cost nothing here
+        every = self.store.num_layers * self.store.num_experts
+        watched = (ran == host_id) | (ran == NOT_RESIDENT)
+        for name, pid in (("hi", hi_id), ("lo", lo_id)):
+            if 0 < self.pools[name].num_slots < every:
+                watched |= ran == pid
+        for layer, expert in zip(*np.nonzero(watched), strict=True):
             pool = names.get(int(ran[layer, expert]))
             h = self.handles[layer][expert]
             version = h.versions.get(pool) if pool is not None else None
