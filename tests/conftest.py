@@ -41,6 +41,25 @@ def qwen3_checkpoint(tiny_checkpoints) -> Path:
     return tiny_checkpoints["qwen3_moe"][0]
 
 
+def pytest_collection_finish(session):
+    """Start the interpreter-mode kernel run in the background as soon as it is known to be needed."""
+    if any(item.name == "test_fused_kernel_under_interpreter" for item in session.items):
+        from triton_interpreter import CUDA, HAS_TRITON, INTERPRETING, start_under_interpreter
+
+        if HAS_TRITON and not (CUDA or INTERPRETING):
+            start_under_interpreter()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A background interpreter run nobody waited for (the session stopped early) does not outlive it."""
+    import triton_interpreter
+
+    started = triton_interpreter._STARTED
+    if started is not None and started.poll() is None:
+        started.kill()
+        started.communicate()
+
+
 @pytest.fixture(scope="session")
 def interpreter_run():
     """The Triton kernel tests (triton_interpreter.KERNEL_TESTS), run once on CPU under

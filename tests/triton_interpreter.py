@@ -48,9 +48,7 @@ class InterpreterRun:
         return [line for line in self.result.stdout.splitlines() if line.startswith(word + " ")]
 
 
-def run_under_interpreter() -> InterpreterRun:
-    """The kernel tests of `KERNEL_TESTS` with TRITON_INTERPRET=1 in one new process (one interpreter,
-    torch and transformers start-up for all files; `-rA` lists each test's outcome)."""
+def _command() -> tuple[list[str], dict]:
     tests = Path(__file__).resolve().parent
     src = str(tests.parent / "src")
     env = {
@@ -60,8 +58,33 @@ def run_under_interpreter() -> InterpreterRun:
     }
     keyword = " or ".join(f"({k})" for k in KERNEL_TESTS.values())
     files = [str(tests / name) for name in KERNEL_TESTS]
-    command = [sys.executable, "-m", "pytest", *files, "-q", "-rA", "-p", "no:cacheprovider", "-k", keyword]
-    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=900)
+    return [sys.executable, "-m", "pytest", *files, "-q", "-rA", "-p", "no:cacheprovider", "-k", keyword], env
+
+
+_STARTED: subprocess.Popen | None = None
+
+
+def start_under_interpreter() -> None:
+    """Start the interpreter run in the background (the test session calls this once it knows the
+    interpreter test is collected): it takes minutes on one core while the rest of the suite uses
+    the other, instead of adding its minutes to the suite's."""
+    global _STARTED
+    if _STARTED is None:
+        command, env = _command()
+        _STARTED = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_under_interpreter() -> InterpreterRun:
+    """The kernel tests of `KERNEL_TESTS` with TRITON_INTERPRET=1 in one new process (one interpreter,
+    torch and transformers start-up for all files; `-rA` lists each test's outcome): the background
+    run if one was started, else one now."""
+    start_under_interpreter()
+    try:
+        stdout, stderr = _STARTED.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        _STARTED.kill()
+        stdout, stderr = _STARTED.communicate()
+    result = subprocess.CompletedProcess(_STARTED.args, _STARTED.returncode, stdout, stderr)
     return InterpreterRun(result, result.stdout[-3000:] + result.stderr[-2000:])
 
 
