@@ -77,7 +77,10 @@ class ExpertPolicy(Protocol):
     Calls come from the forward thread in this order per iteration:
     `begin_iteration` (after the embedding layer), `observe_layer` for each MoE layer in order
     (each followed, for policies with `speculative_distances`, by `observe_speculative` per distance),
-    `end_iteration`. None of them may block on search or I/O.
+    `end_iteration`. None of them may block on search or I/O. In the engine (sync-free steps) the
+    whole iteration is delivered after it ran, at the end of the next step, and requests reach the
+    device table two steps after the observed iteration (`residency.core.TABLE_LAG`); offline tools
+    on a plain model deliver each layer as it runs.
 
     `request_ids`: the requests whose tokens are in this step (empty when the caller does not know);
     request-level policies (MoE-Infinity) use it to tell requests apart.

@@ -1,9 +1,12 @@
 """FineMoE: fine-grained expert prefetch from expert maps (semantic + trajectory search).
 
-Per iteration (one forward step):
+Per iteration (one forward step), in the paper's in-step form (`lookahead=0`):
     begin      semantic search with the step's embedding -> best map -> prefetch layers 0..d-1
     layer l    trajectory search with the observed P_0..P_l -> best map's P_{l+d} -> prefetch l+d
     end        the iteration's map (embedding, P_0..P_{L-1}) goes into the store (RDY dedup when full)
+In the engine's sync-free steps (`lookahead=n`, n = 2) an iteration is observed after it ran: at its
+end the whole map is matched against stored iterations whose map n steps later is known, and that
+later map prefetches every layer of the step n on (`FineMoEConfig.lookahead`).
 Each prefetch takes the matched distribution's experts in descending probability until their mass
 exceeds delta = clip(1 - score, 0, 1), never fewer than top-k, and also *protects* them (eviction
 spares them until their layer has run). A step of several tokens (a prefill) needs the union of its

@@ -405,7 +405,8 @@ class ResidencyManager:
         if pool is None:
             return False
         if pool in h.versions:
-            self._touch(h, pool)
+            if self._evicts(pool):  # a pool that holds every expert keeps no LRU order worth a touch
+                self._touch(h, pool)
             return False
         victims = victims_for(pool) if victims_for is not None else None
         slot = self._take_slot(pool, may_evict=True, may_wait=False, next_victim=victims)
@@ -470,6 +471,10 @@ class ResidencyManager:
                 if self._publish_if_ready(h.versions["hi"]):  # a hi copy still in flight is left to land
                     self._evict(h, "hi")
                     self.metrics.bump("demotions")  # the precision policy's demotions, not cache evictions
+
+    def _evicts(self, pool: str) -> bool:
+        """Whether `pool` can ever need a victim: it has slots, fewer than there are experts."""
+        return 0 < self.pools[pool].num_slots < self.store.num_layers * self.store.num_experts
 
     def _touch(self, handle: ExpertHandle, pool: str) -> None:
         self._tick += 1
@@ -655,10 +660,9 @@ class ResidencyManager:
         names = {hi_id: "hi", lo_id: "lo"}
         # only pools that evict need their LRU order kept (a lo pool holding every expert never does),
         # and only misses ask for anything: the rest of a batch-32 step's ~1,000 uses cost nothing here
-        every = self.store.num_layers * self.store.num_experts
         watched = (ran == host_id) | (ran == NOT_RESIDENT)
         for name, pid in (("hi", hi_id), ("lo", lo_id)):
-            if 0 < self.pools[name].num_slots < every:
+            if self._evicts(name):
                 watched |= ran == pid
         for layer, expert in zip(*np.nonzero(watched), strict=True):
             pool = names.get(int(ran[layer, expert]))
