@@ -369,6 +369,10 @@ class ResidencyManager:
         if pool == "lo" and "hi" in handle.versions:
             return []
         layer, expert, pid = handle.layer, handle.expert, self.pool_ids[pool]
+        # the host's table takes the new slot at once: no reader looks in this pool's row for the
+        # expert before its pool word says so, and a whole-table write between the copy's two words
+        # must not put the old slot back under a pool word that is about to point here
+        self._table_master[layer, 1 + pid, expert] = slot
         i = self._entry_next
         self._entry_next = (i + 2) % self._entry_words.numel()
         words = self._entry_words[i : i + 2]
