@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
-from .policies.registry import POLICY_NAMES
+from .policies.registry import POLICY_NAMES, policy_spec
 from .store.formats import FORMATS, LOW_BIT_FORMATS, precision_names
 
 _UNITS = {
@@ -156,6 +156,12 @@ class EngineConfig:
             )
         if self.on_miss not in ON_MISS:
             raise ConfigError(f"--on-miss must be one of {', '.join(ON_MISS)}, got {self.on_miss!r}")
+        hi_cache_only = self.policy in POLICY_NAMES and policy_spec(self.policy).memory_mode == "hi-cache"
+        if self.on_miss == "lo" and hi_cache_only:
+            raise ConfigError(
+                f"--on-miss lo needs a policy that keeps a lo version of every expert (combined, dynaexq);"
+                f" {self.policy} caches hi versions only: use --on-miss zero-copy or stall"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.prefetch_distance < 1:
