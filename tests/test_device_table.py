@@ -136,6 +136,6 @@ class DeviceTableMachine(RuleBasedStateMachine):
 
 
 DeviceTableMachine.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=20, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_no_step_reads_a_partial_or_reused_slot = DeviceTableMachine.TestCase

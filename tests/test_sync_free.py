@@ -14,7 +14,7 @@ import moetide
 from moetide.policies.registry import POLICY_NAMES, policy_spec
 
 PROMPTS = ["How do I reverse a list in Python?", "Écris un poème sur la mer."]
-PARAMS = moetide.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PARAMS = moetide.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
@@ -26,13 +26,13 @@ def test_every_policy_generates_with_no_host_sync(policy):
         m = llm.metrics
     finally:
         llm.close()
-    assert all(len(o.token_ids) == 12 for o in out)
+    assert all(len(o.token_ids) == 6 for o in out)
     assert m.host_syncs == 0
     used = sum(c.used for c in m.layers)
     if policy_spec(policy).memory_mode in ("all-hi", "all-lo"):  # a static table: the CPU counts hits
         assert used == m.hits
         return
-    assert m.steps_observed == m.steps == 12  # every step's routing reached the host (one prefill)
+    assert m.steps_observed == m.steps == 6  # every step's routing reached the host (one prefill)
     assert used > 0 and used == m.hits + m.lo_runs + m.misses  # every use accounted, one step late
 
 
@@ -47,7 +47,7 @@ def test_stall_syncs_in_every_layer_and_gives_the_same_tokens_as_zero_copy():
         finally:
             llm.close()
     assert runs["stall"][0] == runs["zero-copy"][0]
-    assert runs["stall"][1] == 12 * layers  # one per MoE layer of each of the 12 steps
+    assert runs["stall"][1] == 6 * layers  # one per MoE layer of each of the 6 steps
     assert runs["zero-copy"][1] == 0
 
 

@@ -77,6 +77,7 @@ class ExpertRuntime:
         self._in_step = False
         self._auto_step = False
         self._to_observe: list[StepRecord] = []  # accounted at this step's start, observed at its end
+
     def set_lo_kernel(self, kind: str, device: torch.device) -> None:
         """How the experts are computed: "triton" (the fused kernel over the slot table), "dequant"
         (the per-expert PyTorch reference: dequantize, then matmul) or "auto" (triton on CUDA where
@@ -137,15 +138,14 @@ class ExpertRuntime:
             accounts = self._accounts()
             if accounts and not self.observations.want_pools:  # the first step, before any capture
                 self.observations.want(pools=True)
-            table = accounts or None
             # T up front: a replayed CUDA graph writes the step's buffers with no Python to tell
             tokens = num_tokens if accounts or self.observing else None
-            self.observations.begin_step(self.iteration, (table, self.step_tags), tokens)
+            self.observations.begin_step(self.iteration, (accounts, self.step_tags), tokens)
         self.metrics.step_host_s += time.perf_counter() - t0
 
     def end_step(self) -> None:
         """After a forward has been issued: mark the end of its reads, queue its observations' copy
-        to the host, and publish the earlier steps whose copies have landed."""
+        to the host, and show the policies the step(s) this step's start accounted."""
         if not self._in_step:
             return
         t0 = time.perf_counter()
