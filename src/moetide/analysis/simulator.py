@@ -420,17 +420,13 @@ class TraceSimulator:
 
     _applying = False
 
-    def _observe_step(self, s: int, step, request_ids, spec) -> None:
-        """decision_lag > 0: the whole step is shown to the policy after it ran."""
-        policy = self.policy
-        policy.begin_iteration(s, step.embedding, step.num_tokens, request_ids=request_ids)
-        for layer in range(self.trace.meta.num_layers):
-            policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
-            for d in spec:
-                ids = step.spec(layer, d)
-                if ids is not None:
-                    policy.observe_speculative(s, layer, d, ids)
-        policy.end_iteration(s)
+    def _show_layer(self, s: int, step, layer: int, spec) -> None:
+        """The policy observes one layer of step `s` (and, where it asks, its speculative ids)."""
+        self.policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+        for d in spec:
+            ids = step.spec(layer, d)
+            if ids is not None:
+                self.policy.observe_speculative(s, layer, d, ids)
 
     def _apply_deferred(self, s: int) -> None:
         """At the start of step `s` (decision_lag > 0): cache last step's misses, then apply the
@@ -446,7 +442,9 @@ class TraceSimulator:
             for _, kind, args in due:
                 if kind == "prefetch":
                     layer, experts, iteration, priorities, protect = args
-                    self.prefetch(layer, list(experts), iteration=iteration, priorities=priorities, protect=protect)
+                    self.prefetch(
+                        layer, list(experts), iteration=iteration, priorities=priorities, protect=protect
+                    )
                 else:
                     layer, experts, iteration = args
                     self.protect(layer, list(experts), iteration=iteration)
@@ -467,27 +465,24 @@ class TraceSimulator:
                     p.clear()
                 self.cache.protected[:] = False
             request_ids = (step.request_id,) if step.request_id >= 0 else ()
-            if self.decision_lag:
+            in_step = not self.decision_lag  # else the step runs first, then the policy sees it
+            if not in_step:
                 self._apply_deferred(s)
                 for layer in range(L):
                     with self._lock:
                         self._run_layer(step, layer)
                 self.cache.pinned[:] = False
-                self._observe_step(s, step, request_ids, spec)  # after the step, as the engine does
-            else:
-                policy.begin_iteration(s, step.embedding, step.num_tokens, request_ids=request_ids)
-                for layer in range(L):
+            policy.begin_iteration(s, step.embedding, step.num_tokens, request_ids=request_ids)
+            for layer in range(L):
+                if in_step:
                     with self._lock:
                         self._run_layer(step, layer)
                         self._observed_layer = layer
-                    policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
-                    for d in spec:
-                        ids = step.spec(layer, d)
-                        if ids is not None:
-                            policy.observe_speculative(s, layer, d, ids)
+                self._show_layer(s, step, layer, spec)
+                if in_step:
                     with self._lock:
                         self.cache.pinned[layer * self.cache.J : (layer + 1) * self.cache.J] = False
-                policy.end_iteration(s)
+            policy.end_iteration(s)
             dt = self.step_time(step)
             self.clock.advance(dt)
             self.step_times.append(self.clock.now)

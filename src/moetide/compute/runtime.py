@@ -77,7 +77,7 @@ class ExpertRuntime:
         self._in_step = False
         self._auto_step = False
         self._to_observe: list[StepRecord] = []  # accounted at this step's start, observed at its end
-
+        self._accounts_for: tuple | None = None  # (residency, accounts())
     def set_lo_kernel(self, kind: str, device: torch.device) -> None:
         """How the experts are computed: "triton" (the fused kernel over the slot table), "dequant"
         (the per-expert PyTorch reference: dequantize, then matmul) or "auto" (triton on CUDA where
@@ -111,10 +111,15 @@ class ExpertRuntime:
         return table is not None and (self.fused is not None or table[0].device.type == "cpu")
 
     # -- steps ----------------------------------------------------------------------------------------
-    def _accounts(self) -> bool:
+    def accounts(self) -> bool:
         """The residency accounts each step's uses from its observations (a table written between
-        steps); a static table needs no accounting beyond the CPU's free count."""
-        return getattr(self.residency, "table_mode", False) and self.residency.static_table(0) is None
+        steps); a static table needs no accounting beyond the CPU's free count. Fixed once the
+        residency is built (read per layer: cached per residency object)."""
+        cached = self._accounts_for
+        if cached is None or cached[0] is not self.residency:
+            value = getattr(self.residency, "table_mode", False) and self.residency.static_table(0) is None
+            cached = self._accounts_for = (self.residency, value)
+        return cached[1]
 
     def begin_step(self, num_tokens: int | None = None, *, auto: bool = False) -> None:
         """Before a forward: the residency applies the policies' requests and writes the table this
@@ -135,7 +140,7 @@ class ExpertRuntime:
         else:
             self.residency.begin_iteration(self.iteration)
         if self.observations is not None:
-            accounts = self._accounts()
+            accounts = self.accounts()
             if accounts and not self.observations.want_pools:  # the first step, before any capture
                 self.observations.want(pools=True)
             # T up front: a replayed CUDA graph writes the step's buffers with no Python to tell
@@ -190,7 +195,7 @@ class ExpertRuntime:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """Routed experts of one MoE layer: `hidden (T, H)` -> `(T, H)`."""
-        accounts = self._accounts()
+        accounts = self.accounts()
         table = self.residency.step_table(layer)
         if self.observations is not None and accounts:  # device copies, read one step later
             self.observations.record_ids(layer, top_k_index)

@@ -87,7 +87,7 @@ class PolicyHooks:
         self._request_ids: tuple[int, ...] = ()
         self._obs = runtime.observations if runtime is not None else None
         # the routing ids: written by the runtime where its residency accounts every step, else here
-        self._record_ids = runtime is not None and not runtime._accounts()
+        self._record_ids = runtime is not None and not runtime.accounts()
         if self._obs is not None:
             self._obs.want(logits=True, spec=bool(self._distances), embed=True)
             runtime.observing = True
