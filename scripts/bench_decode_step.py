@@ -60,11 +60,13 @@ def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
 
 
 def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, compile_mode="off",
-                  cache_dir=None) -> list[dict]:  # fmt: skip
+                  cache_dir=None, in_step=True) -> list[dict]:  # fmt: skip
     free_device()
     t0 = time.perf_counter()
+    extra = {} if in_step else {"extra": {"in_step": False}}
     llm = moetide.LLM(str(path), policy=policy, gpu_memory=budget, max_num_seqs=max(batch_sizes),
-                      max_model_len=max(prefill_len + 8, 256), compile=compile_mode, cache_dir=cache_dir)  # fmt: skip
+                      max_model_len=max(prefill_len + 8, 256), compile=compile_mode, cache_dir=cache_dir,
+                      **extra)  # fmt: skip
     load_s = time.perf_counter() - t0
     vocab = llm.loaded.config.vocab_size
     rows = []
@@ -75,12 +77,14 @@ def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, co
         graphs = llm.engine.runner.graph_stats()
         snap = llm.metrics.snapshot()
         residency = {k: snap[k] for k in ("hit_rate", "hits", "lo_runs", "misses", "copies", "bytes_h2d",
-                                          "promotions", "steps", "step_host_s")}  # fmt: skip
+                                          "promotions", "steps", "step_host_s", "deferred", "prefetches_late",
+                                          "parked_misses")}  # fmt: skip
         options = getattr(llm.loaded.runtime.residency, "options", None)
         residency["lo"] = getattr(options, "lo_precision", None)
+        feed = llm.loaded.policy_hooks.feed if llm.loaded.policy_hooks is not None else None
         rows.append({"engine": "moetide", "policy": policy, "gpu_memory": budget, "batch": b, "load_s": load_s,
-                     "compile": compile_mode, "host_syncs": llm.metrics.host_syncs, **r, **residency,
-                     "graphs": graphs})  # fmt: skip
+                     "compile": compile_mode, "in_step": feed is not None, "host_syncs": llm.metrics.host_syncs,
+                     **r, **residency, "graphs": graphs, "layer_feed": feed.stats() if feed else None})  # fmt: skip
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "graphs"}),
               "graph failure:" if graphs and graphs.get("failed") else "", (graphs or {}).get("failed") or "",
               flush=True)  # fmt: skip
@@ -130,7 +134,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="olmoe-1b-7b")
     ap.add_argument("--checkpoint", default="/tmp/moetide-synthetic")
-    ap.add_argument("--policies", default="no-offload,static-int4@6GiB,static-int2", help="POLICY[@BUDGET],...")
+    ap.add_argument("--policies", default="no-offload,static-int4@6GiB,static-int2",
+                    help="POLICY[@BUDGET][:step-late],... (:step-late: the policies decide a step late, no layer feed)")
     ap.add_argument("--budget", default="4GiB", help="for every policy but no-offload")
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -149,13 +154,14 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for spec in args.policies.split(","):
+        spec, late, _ = spec.partition(":step-late")  # combined:step-late: without the layer feed
         policy, _, own_budget = spec.partition("@")  # static-int4@6GiB: this policy's own budget
         # a policy that offloads nothing runs uncapped (the whole model on the GPU)
         budget = None if policy_spec(policy).memory_mode == "all-hi" else own_budget or args.budget
         for compile_mode in args.compile.split(","):
             try:
                 report["runs"] += bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill,
-                                                compile_mode, args.cache_dir)  # fmt: skip
+                                                compile_mode, args.cache_dir, in_step=not late)  # fmt: skip
             except Exception as e:
                 report["runs"].append({"engine": "moetide", "policy": policy, "compile": compile_mode,
                                        "error": f"{type(e).__name__}: {e}"[:500]})  # fmt: skip

@@ -68,7 +68,8 @@ def publish_only_hooks(llm) -> tuple[PolicyHooks, FineMoEPolicy]:
     loaded = llm.loaded
     policy = FineMoEPolicy(FineMoEConfig(prefetch_distance=2, online_updates=False, searcher="process"))
     runtime = loaded.runtime
-    hooks = PolicyHooks(loaded.model, loaded.adapter, [policy], sink=runtime.residency, runtime=runtime)
+    in_step = loaded.policy_hooks.feed is not None  # published the same way: within the step, or a step late
+    hooks = PolicyHooks(loaded.model, loaded.adapter, [policy], sink=runtime.residency, runtime=runtime, in_step=in_step)
     return hooks, policy
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the fused MoE path: its tests, the per-layer kernel timings (and tuning),
 # then decode tok/s and prefill TTFT against transformers' static-cache generate. Steps named in $@:
-#   tests gputests tune bench zerocopy
+#   tests gputests tune bench zerocopy decode qwen15 quant searcher trace
 # (no openai/pydantic on the GPU image: the server tests stay on the CPU)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
@@ -25,6 +25,30 @@ for step in "$@"; do
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \
              | grep -v "Warn\|Loading\|it/s\]" ;;
     zerocopy) timeout $(T 60) python3 scripts/probe_zero_copy.py --out "$OUT/zero_copy.json" ;;
+    decode) # every policy at batch 1 (4 GiB), combined and static-int2 at 1 and 32, with and without compile
+            timeout $(T ${DECODE_S:-300}) python3 scripts/bench_decode_step.py --out "$OUT/decode.json" --prefill 0 \
+              --cache-dir /tmp/moetide-cache --policies ${DECODE_POLICIES:-combined,static-int2} --batch-sizes 1,32 \
+              --compile off,auto --hf default,static 2>&1 | grep "^{" | cut -c1-400
+            timeout $(T ${DECODE_S:-200}) python3 scripts/bench_decode_step.py --out "$OUT/decode_policies.json" --prefill 0 \
+              --cache-dir /tmp/moetide-cache --policies finemoe,dynaexq,lru,on-demand,moe-infinity --batch-sizes 1 \
+              --skip-hf 2>&1 | grep "^{" | cut -c1-400 ;;
+    qwen15) timeout $(T ${QWEN_S:-300}) python3 scripts/bench_decode_step.py --out "$OUT/decode_qwen15.json" --prefill 0 \
+              --shape qwen1.5-moe-a2.7b --budget 8GiB --cache-dir /tmp/moetide-cache --policies combined \
+              --batch-sizes 1 --compile off,auto --hf default 2>&1 | grep "^{" | cut -c1-400 ;;
+    quant)  timeout $(T 150) python3 scripts/time_quantization.py --device cuda --checkpoint /tmp/moetide-olmoe-synth \
+              --out "$OUT/quant_time_olmoe.json" 2>&1 | tail -4 ;;
+    searcher) timeout $(T 200) python3 scripts/bench_searcher.py --device cuda --warm 24 --prompts 12 --new-tokens 32 \
+              --out "$OUT/searcher.json" 2>&1 | grep -v "Warn\|Loading" | tail -30 ;;
+    trace)  # held-out demo-model routing (48 requests x 32 tokens, the first 16 as warm-up) onto the OLMoE
+            # expert size at 25 % of the experts: the engine's own residency, copies and feed decide hits
+            TR=${TRACE:-/tmp/trace_heldout48.safetensors}
+            [ -f $TR ] || timeout $(T 150) python3 -m moetide.cli bench --record-trace $TR --num-prompts 48 --output-len 32 \
+              --max-input-len 128 2>&1 | tail -1
+            for d in ${TRACE_DS:-1}; do
+              timeout $(T 200) python3 -m moetide.cli bench --synthetic olmoe-1b-7b --trace $TR --gpu-memory 25% \
+                --trace-warmup 16 --prefetch-distance $d --policy ${TRACE_POLICIES:-finemoe,lru,moe-infinity,on-demand} \
+                --out "$OUT/trace_d$d" --quiet 2>&1 | grep -v "Warn\|Loading" | tail -8
+            done ;;
     *) echo "unknown step $step" ;;
   esac
 done

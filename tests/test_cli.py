@@ -92,3 +92,27 @@ def test_files_named_in_pyproject_exist():
     named = set(re.findall(r"[\w.-]+\.(?:txt|md|cfg|ini)\b", text))
     assert "constraints.txt" in named
     assert all((root / name).is_file() for name in named), named
+
+
+def test_a_command_whose_dependency_is_missing_says_what_to_install_and_the_others_still_run(monkeypatch, capsys):
+    """An install without uvicorn: `moetide serve` fails with one line, `moetide bench` still parses."""
+    import builtins
+    import sys
+
+    from moetide import cli
+
+    real_import = builtins.__import__
+
+    def no_uvicorn(name, *args, **kwargs):
+        if name == "uvicorn" or name.startswith("uvicorn."):
+            raise ModuleNotFoundError("No module named 'uvicorn'", name="uvicorn")
+        return real_import(name, *args, **kwargs)
+
+    for module in ("moetide.serve.cli", "moetide.serve.http"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_uvicorn)
+    monkeypatch.setattr(cli, "_MISSING", {})
+    assert cli.main(["serve", "--model", "nowhere"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: moetide serve needs the uvicorn package: pip install uvicorn"]
+    assert cli.build_parser().parse_args(["bench", "--policy", "lru"]).func.__name__ == "cmd_bench"

@@ -8,6 +8,10 @@ worker thread at a simulated bandwidth, each destination poisoned first) while u
 "in flight": a step's reads happen only when it completes, after later steps have been planned, as
 on a GPU that lags the host. Any read of a partial or reused slot shows up as poison or as weights
 that are not the version the table named.
+
+The layer feed's part (`in_step`) runs within the newest step: the device has reached it (every
+older step is done), its layers before the routed one have been read, and the residency may start
+prefetches for the later ones, taking the slots only the finished layers (or parked versions) held.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ class DeviceTableMachine(RuleBasedStateMachine):
         super().__init__()
         self.manager = None
         self.iteration = 0
-        self.in_flight: list[tuple[np.ndarray, ThreadEvent]] = []  # (table read, marker)
+        # (table read, marker, [layers read so far]): a step's layers are read in order
+        self.in_flight: list[tuple[np.ndarray, ThreadEvent, list[int]]] = []
 
     @rule(
         mode=st.sampled_from(["hi-cache", "lo+hi"]),
@@ -65,6 +70,7 @@ class DeviceTableMachine(RuleBasedStateMachine):
         manager = make_manager(mode, hi_slots, lo_slots, on_miss=on_miss, bandwidth=5e7)
         manager.transfer.close()
         manager.transfer = LaggingTransfer(bandwidth_bytes_per_s=5e7, poison=True)
+        manager.in_step_fed = True  # a layer feed drives it: begin_step parks a reserve
         self.manager = manager
 
     @rule(layer=st.integers(0, LAYERS - 1), experts=st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4))
@@ -86,7 +92,7 @@ class DeviceTableMachine(RuleBasedStateMachine):
         # what this step's layers read: the host's table, plus any copy that published itself since
         table = m._table_device.clone().numpy()
         m.end_step()
-        self.in_flight.append((table, m.transfer.markers[-1]))
+        self.in_flight.append((table, m.transfer.markers[-1], [0]))
         ran = np.full((LAYERS, EXPERTS), UNUSED, dtype=np.int32)
         for layer, expert in used:
             ran[layer, expert] = table[layer, 0, expert]
@@ -99,12 +105,38 @@ class DeviceTableMachine(RuleBasedStateMachine):
     def complete_oldest(self):
         self._complete_oldest()
 
+    @rule(
+        routed=st.integers(0, LAYERS - 1),
+        used=st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=3),
+        ahead=st.integers(1, LAYERS - 1),
+        experts=st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4),
+    )
+    @precondition(lambda self: self.manager is not None and self.in_flight)
+    def within_the_newest_step(self, routed, used, ahead, experts):
+        """The device reaches the newest step's layer `routed`: older steps are done, this step's
+        earlier layers have been read; then the policies ask for a later layer and `in_step` acts."""
+        while len(self.in_flight) > 1:
+            self._complete_oldest()
+        table, _marker, progress = self.in_flight[0]
+        if routed < progress[0]:
+            return
+        self._read(table, range(progress[0], routed))
+        progress[0] = routed
+        if routed + ahead < LAYERS:
+            self.manager.prefetch(routed + ahead, experts, iteration=self.iteration)
+        self.manager.in_step(self.iteration, routed, np.array(used))
+
     def _complete_oldest(self):
-        """The oldest step runs now: read every expert through its table and check the weights."""
-        table, marker = self.in_flight.pop(0)
+        """The oldest step runs now: read the rest of its experts through its table."""
+        table, marker, progress = self.in_flight.pop(0)
+        self._read(table, range(progress[0], LAYERS))
+        marker.set()
+
+    def _read(self, table, layers):
+        """Read every expert of `layers` through `table` and check the weights."""
         pools = self.manager.kernel_pools(torch.float32)
         names = {v: k for k, v in self.manager.pool_ids.items()}
-        for layer in range(LAYERS):
+        for layer in layers:
             for expert in range(EXPERTS):
                 pool_id = int(table[layer, 0, expert])
                 slot = int(table[layer, 1 + pool_id, expert])
@@ -115,7 +147,6 @@ class DeviceTableMachine(RuleBasedStateMachine):
                 precision = self.manager.options.lo_precision if name == "lo" else "hi"
                 want = expected_weights(layer, expert, precision)
                 assert torch.equal(gate_up, want), f"{name} slot {slot} no longer holds ({layer}, {expert})"
-        marker.set()
 
     @invariant()
     def budget_and_slots_add_up(self):

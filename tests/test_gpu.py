@@ -86,6 +86,12 @@ def test_sync_free_policies_on_cuda_replay_graphs_and_match_the_stall_path(tiny_
         runs[on_miss] = (tokens, llm.metrics.host_syncs, llm.engine.runner.graph_stats(), llm.metrics.misses)
         if on_miss == "auto":  # a replayed graph runs no Python, yet every step's routing is read
             assert llm.metrics.steps_observed == llm.metrics.steps > 0
+            feed = llm.loaded.policy_hooks.feed if llm.loaded.policy_hooks is not None else None
+            if feed is not None:  # and the in-step policies saw the replayed steps' layers as they ran
+                assert feed.idle(10)
+                stats = feed.stats()
+                assert stats["errors"] == 0 and stats["steps_seen"] > 0, stats
+                assert stats["steps_seen"] + stats["steps_cut"] == llm.metrics.steps, stats
         llm.close()
     tokens, syncs, graphs, misses = runs["auto"]
     assert syncs == 0 and graphs["replays"] > 0 and graphs["failed"] is None, graphs

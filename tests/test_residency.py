@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from moetide.residency.budget import BudgetTracker, FixedCosts, plan_memory
 from moetide.residency.core import ResidencyManager, ResidencyOptions
 from moetide.residency.handles import HandleState
 from moetide.residency.metrics import ExpertMetrics
+from moetide.residency.slot_table import UNUSED
 from moetide.residency.transfer import CpuTransfer
 from moetide.store import quant
 from moetide.store.host_store import ExpertShape, HostExpertStore
@@ -267,12 +269,31 @@ def test_prefetches_for_later_layers_never_evict_the_running_layers_experts():
 
 def test_prefetches_are_not_rate_limited():
     manager = make_manager("hi-cache", 12, 0, bandwidth=None)
-    manager.options = type(manager.options)(**{**manager.options.__dict__, "max_background_copies": 2})
+    manager.options = dataclasses.replace(manager.options, max_background_copies=2, max_inflight_prefetches=64)
     x = torch.randn(2, HIDDEN)
     manager.begin_iteration(1)
     manager.prefetch(1, list(range(EXPERTS)), iteration=1)  # more than max_background_copies
     run_forward(manager, 0, [0], x)
     assert manager.metrics.copies == 1 + EXPERTS  # the demand load and every prefetch
+    manager.close()
+
+
+def test_predictions_past_the_links_capacity_are_dropped_but_cache_fills_are_not():
+    """Table mode, copies slowed down: at most `max_inflight_prefetches` predicted copies in flight;
+    a miss being cached is not a prediction and is always copied."""
+    manager = make_manager("hi-cache", 2 * EXPERTS, 0, on_miss="zero-copy", bandwidth=2e5)
+    manager.options = dataclasses.replace(manager.options, max_inflight_prefetches=2)
+    manager.begin_step(1)
+    manager.prefetch(1, list(range(EXPERTS)), iteration=1)
+    manager.end_step()
+    manager.begin_step(2)  # the predictions go out: two copies, the rest dropped
+    assert manager.metrics.copies == 2 and manager.metrics.deferred == EXPERTS - 2
+    ran = np.full((LAYERS, EXPERTS), UNUSED, dtype=np.int32)
+    ran[0, :3] = manager.pool_ids["host"]  # three misses of layer 0, read from host memory
+    manager.observe_step(ran, 2)
+    manager.end_step()
+    manager.begin_step(3)  # the link is still busy, yet every miss is cached
+    assert manager.metrics.copies == 2 + 3
     manager.close()
 
 

@@ -183,7 +183,8 @@ def test_the_engine_replaying_real_routing_hits_what_the_simulator_predicts(tmp_
     FineMoE's hits to residency defects (protection held for the whole iteration, unused prefetches
     pinned, rate-limited prefetches) while on-demand agreed; this catches that. The paper's mode
     (each layer observed as it runs) is simulated too: deciding a step behind costs FineMoE most of
-    its advantage on this trace, which the engine's sync-free steps pay today."""
+    its advantage on this trace, and the engine's layer feed (its default for FineMoE) wins back
+    part of it."""
     import dataclasses
 
     import moetide.policies as policies
@@ -225,17 +226,23 @@ def test_the_engine_replaying_real_routing_hits_what_the_simulator_predicts(tmp_
         return policy
 
     policies.make_policy = synchronous_policy
-    try:
+
+    def replay(names, **extra):
         spec = BenchSpec(
             device="cpu",
             trace=str(path),
             trace_warmup=warm_n,
-            policies=["finemoe", "on-demand"],
+            policies=names,
             gpu_memory=["25%"],
             prefetch_distance=1,
-            out=str(tmp_path / "bench"),
+            out=str(tmp_path / f"bench{len(extra)}"),
+            extra=extra,
         )
-        rows = {r["policy"]: r for r in run_sweep(spec, progress=False)["runs"]}
+        return {r["policy"]: r for r in run_sweep(spec, progress=False)["runs"]}
+
+    try:
+        rows = replay(["finemoe", "on-demand"], in_step=False)  # the step-late form: the simulator's
+        fed = replay(["finemoe"])["finemoe"]  # the engine's default: the layer feed
     finally:
         policies.make_policy = make_policy
     for name, want in expected.items():
@@ -243,3 +250,5 @@ def test_the_engine_replaying_real_routing_hits_what_the_simulator_predicts(tmp_
         assert abs(rows[name]["hit_rate"] - want) < 0.06, (name, rows[name]["hit_rate"], want)
     assert expected["finemoe"] >= expected["on-demand"]
     assert in_step > expected["finemoe"] + 0.15  # what deciding within the step would buy back
+    assert fed["error"] is None
+    assert fed["hit_rate"] > rows["finemoe"]["hit_rate"] + 0.05  # and what the feed does buy back

@@ -304,26 +304,47 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Sub-commands that live beside their subsystem (prepare, serve, bench, eval)."""
     registrars = []
-    for module, attr in (
-        ("moetide.models.prepare", "register_cli"),
-        ("moetide.serve.cli", "register_cli"),
-        ("moetide.bench.cli", "register_cli"),
-        ("moetide.eval.cli", "register_cli"),
+    for command, module, attr in (
+        ("prepare", "moetide.models.prepare", "register_cli"),
+        ("serve", "moetide.serve.cli", "register_cli"),
+        ("bench", "moetide.bench.cli", "register_cli"),
+        ("eval", "moetide.eval.cli", "register_cli"),
     ):
         try:
             mod = __import__(module, fromlist=[attr])
         except ModuleNotFoundError as e:
             if e.name and e.name.startswith("moetide"):
                 continue  # subsystem not in this build
-            raise
+            # a dependency of that one command is missing: the others still run, it says what to install
+            registrars.append(_missing_dependency(command, e.name))
+            continue
         registrars.append(getattr(mod, attr))
     return registrars
+
+
+_MISSING: dict[str, str] = {}  # sub-command -> the package it needs and this install lacks
+
+
+def _missing_dependency(command: str, package: str):
+    """A stand-in sub-command (`moetide serve` without uvicorn, say): listed, and `main` refuses it
+    with one line before parsing its arguments."""
+    _MISSING[command] = package
+
+    def register(subparsers) -> None:
+        subparsers.add_parser(command, help=f"(needs the {package} package)")
+
+    return register
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
-    args = parser.parse_args(join_negative_values(parser, sys.argv[1:] if argv is None else argv))
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _MISSING:
+        package = _MISSING[argv[0]]
+        print(f"error: moetide {argv[0]} needs the {package} package: pip install {package}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(join_negative_values(parser, argv))
     try:
         return args.func(args) or 0
     except MoetideError as e:

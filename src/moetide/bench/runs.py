@@ -242,6 +242,10 @@ def _moetide_result(config: EngineConfig, loaded, engine, load_s: float) -> dict
         "policy_stats": loaded.policy.stats()
         if loaded.policy is not None and hasattr(loaded.policy, "stats")
         else {},
+        # the layer feed (policies that decide within a step): steps followed whole or in part
+        "layer_feed": loaded.policy_hooks.feed.stats()
+        if loaded.policy_hooks is not None and loaded.policy_hooks.feed is not None
+        else None,
     }
 
 

@@ -14,6 +14,14 @@ hands the records whose copy has landed to the host (`StepRecord`). Shapes, for 
 All of a step's regions lie back to back from byte 0 of one buffer, so one copy moves them. Steps of
 up to `decode_tokens` tokens use a buffer allocated once (its addresses stay valid in CUDA graphs);
 larger ones (prefills) use a second buffer that grows as needed.
+
+The buffer is layer-major: one row per MoE layer holding that layer's regions, then the embedding.
+The layer feed (`want(feed=True)`, for policies that decide within the running step) copies each
+layer's row to a pinned mirror of the buffer as soon as the layer has routed (`publish_layer`,
+`publish_embedding`), then the step's number into that slot's word, both on the compute stream, so
+a host thread sees the layer while the device computes the rest of the step (`feed_seq`,
+`feed_read`; the embedding's word, written first in every step, tells a read the next step has
+overwritten).
 """
 
 from __future__ import annotations
@@ -27,6 +35,12 @@ import torch
 from ..residency.slot_table import UNUSED
 
 HOST_SLOTS = 4  # pinned copies in flight at once (a record is read at most a few steps later)
+
+
+def softmax_mean(logits: np.ndarray) -> np.ndarray:
+    """(T, E) router logits -> (E,) float32: the mean over tokens of their softmax."""
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).mean(axis=0).astype(np.float32)
 
 
 @dataclass
@@ -46,9 +60,7 @@ class StepRecord:
 
     def gate_probs(self, layer: int) -> np.ndarray:
         """Mean softmax over the step's tokens of layer `layer`'s router logits: (E,) float32."""
-        x = self.logits[layer]
-        e = np.exp(x - x.max(axis=-1, keepdims=True))
-        return (e / e.sum(axis=-1, keepdims=True)).mean(axis=0).astype(np.float32)
+        return softmax_mean(self.logits[layer])
 
     def ran_from(self) -> np.ndarray:
         """(L, E) int32: the pool each expert of each layer ran from in this step, -2 where no token
@@ -61,22 +73,25 @@ class StepRecord:
 
 
 class _Layout:
-    """Byte offsets of each region for a step of `tokens` tokens."""
+    """Where each region lies for a step of `tokens` tokens: layer-major rows, one per MoE layer
+    (ids, pools, logits, spec: the regions a layer writes, back to back), then the embedding. A
+    region is `(offset within a row, words)`, the embedding `(offset in the buffer, words)`."""
 
     def __init__(self, L, E, k, H, tokens: int, logits: bool, spec: bool, embed: bool, pools: bool):
         self.tokens = tokens
-        offset = 0
-        self.ids = (offset, L * tokens * k)
-        offset += 4 * L * tokens * k
-        self.pools = (offset, L * tokens * k) if pools else None
-        offset += 4 * L * tokens * k if pools else 0
-        self.logits = (offset, L * tokens * E) if logits else None
-        offset += 4 * L * tokens * E if logits else 0
-        self.spec = (offset, L * tokens * k) if spec else None
-        offset += 4 * L * tokens * k if spec else 0
-        self.embed = (offset, H) if embed else None
-        offset += 4 * H if embed else 0
-        self.nbytes = offset
+        self.layers = L
+        words = 0
+        self.ids = (0, tokens * k)
+        words += tokens * k
+        self.pools = (4 * words, tokens * k) if pools else None
+        words += tokens * k if pools else 0
+        self.logits = (4 * words, tokens * E) if logits else None
+        words += tokens * E if logits else 0
+        self.spec = (4 * words, tokens * k) if spec else None
+        words += tokens * k if spec else 0
+        self.row_bytes = 4 * words
+        self.embed = (L * self.row_bytes, H) if embed else None
+        self.nbytes = L * self.row_bytes + (4 * H if embed else 0)
 
 
 class StepObservations:
@@ -96,6 +111,12 @@ class StepObservations:
         self.want_spec = False
         self.want_embed = False
         self.want_pools = False  # set by the runtime where its residency accounts each step
+        self.want_feed = False  # mirror each layer to the host as it routes (policies.in_step)
+        self.on_publish: list = []  # called after each feed publication (the CPU wakes the feeds' threads)
+        self._seq_dev: torch.Tensor | None = None  # () int64: the running step's number, on the device
+        self._seq_host: torch.Tensor | None = None  # (1 + L,) int64 pinned: the step each slot holds
+        self._mirror: dict[str, torch.Tensor] = {}  # "fixed" / "growing" -> pinned copy of that buffer
+        self._host_views: dict = {}  # like `_views`, over the mirrors
         self._fixed: torch.Tensor | None = None
         self._growing: torch.Tensor | None = None
         self._host: list[torch.Tensor | None] = [None] * HOST_SLOTS
@@ -107,14 +128,25 @@ class StepObservations:
         self._step: tuple | None = None
         self._step_tokens: int | None = None
 
-    def want(self, *, logits: bool = False, spec: bool = False, embed: bool = False, pools: bool = False) -> None:
-        """Which regions beyond the ids are recorded (asked for before any step)."""
+    def want(
+        self, *, logits: bool = False, spec: bool = False, embed: bool = False, pools: bool = False, feed: bool = False
+    ) -> None:
+        """Which regions beyond the ids are recorded (asked for before any step), and whether each
+        layer is mirrored to the host as it routes (`feed`)."""
         self.want_logits |= logits
         self.want_spec |= spec
         self.want_embed |= embed
         self.want_pools |= pools
+        self.want_feed |= feed
         self._fixed = self._growing = None
         self._views.clear()
+        self._mirror.clear()
+        self._host_views.clear()
+        if self.want_feed and self._seq_dev is None:
+            L = self.shape[0]
+            self._seq_dev = torch.full((), -1, dtype=torch.int64, device=self.device)
+            self._seq_host = torch.full((1 + L,), -1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._seq_np = self._seq_host.numpy()  # the host thread polls this view (no torch call per look)
 
     # -- the forward pass (device ops only) --------------------------------------------------------
     def layout(self, tokens: int) -> _Layout:
@@ -130,6 +162,7 @@ class StepObservations:
         if self._growing is None or self._growing.numel() < nbytes:
             self._growing = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._views = {key: v for key, v in self._views.items() if key[0] != "growing"}
+            self._host_views = {key: v for key, v in self._host_views.items() if key[0] != "growing"}
         return self._growing
 
     def views(self, tokens: int) -> dict[str, torch.Tensor]:
@@ -139,28 +172,55 @@ class StepObservations:
         views = self._views.get(key)
         if views is None:
             lay = self.layout(tokens)
-            buf = self._buffer_for(lay.nbytes, tokens)
-            L, E, k, H = self.shape
-            views = {"buffer": buf[: lay.nbytes]}
-            views["ids"] = buf[lay.ids[0] : lay.ids[0] + 4 * lay.ids[1]].view(torch.int32).view(L, tokens, k)
-            if lay.pools:
-                start = lay.pools[0]
-                views["pools"] = buf[start : start + 4 * lay.pools[1]].view(torch.int32).view(L, tokens, k)
-            if lay.logits:
-                start = lay.logits[0]
-                views["logits"] = buf[start : start + 4 * lay.logits[1]].view(torch.float32).view(L, tokens, E)
-            if lay.spec:
-                start = lay.spec[0]
-                views["spec"] = buf[start : start + 4 * lay.spec[1]].view(torch.int32).view(L, tokens, k)
-            if lay.embed:
-                views["embed"] = buf[lay.embed[0] : lay.embed[0] + 4 * H].view(torch.float32)
+            views = self._regions(self._buffer_for(lay.nbytes, tokens), lay)
             self._views[key] = views
+        return views
+
+    def _regions(self, buf: torch.Tensor, lay: _Layout) -> dict[str, torch.Tensor]:
+        """Tensor views of `lay`'s regions over the uint8 buffer `buf` ("rows": (L, row bytes))."""
+        L, E, k, H = self.shape
+        tokens = lay.tokens
+        rows = buf[: L * lay.row_bytes].view(L, lay.row_bytes)
+        views = {"buffer": buf[: lay.nbytes], "rows": rows}
+
+        def region(spec, dtype, shape):
+            start, count = spec
+            return rows[:, start : start + 4 * count].view(dtype).view(shape)
+
+        views["ids"] = region(lay.ids, torch.int32, (L, tokens, k))
+        if lay.pools:
+            views["pools"] = region(lay.pools, torch.int32, (L, tokens, k))
+        if lay.logits:
+            views["logits"] = region(lay.logits, torch.float32, (L, tokens, E))
+        if lay.spec:
+            views["spec"] = region(lay.spec, torch.int32, (L, tokens, k))
+        if lay.embed:
+            start = lay.embed[0]
+            views["embed"] = buf[start : start + 4 * H].view(torch.float32)
+        return views
+
+    def _mirror_views(self, tokens: int) -> dict[str, torch.Tensor]:
+        """The regions of a `tokens`-token step over the pinned host mirror of its device buffer."""
+        which = "fixed" if tokens <= self.decode_tokens else "growing"
+        key = (which, tokens)
+        views = self._host_views.get(key)
+        if views is None:
+            lay = self.layout(tokens)
+            device_buf = self._buffer_for(lay.nbytes, tokens)
+            mirror = self._mirror.get(which)
+            if mirror is None or mirror.numel() < device_buf.numel():
+                mirror = torch.zeros(device_buf.numel(), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+                self._mirror[which] = mirror
+                self._host_views = {k: v for k, v in self._host_views.items() if k[0] != which}
+            views = self._host_views[key] = self._regions(mirror, lay)
         return views
 
     def begin_step(self, iteration: int, context=None, tokens: int | None = None) -> None:
         """A step starts; `tokens`: its T where the caller knows it (every step the engine runs)."""
         self._step = (iteration, context)
         self._step_tokens = tokens
+        if self.want_feed:
+            self._seq_dev.fill_(iteration)  # a kernel argument: no host buffer to race with
 
     def _tokens(self, tokens: int) -> dict[str, torch.Tensor]:
         if self._step_tokens is None:
@@ -195,6 +255,56 @@ class StepObservations:
         """The embedding-layer output `(..., H)`: its mean over tokens."""
         h = hidden.reshape(-1, hidden.shape[-1])
         torch.mean(h, dim=0, dtype=torch.float32, out=self._tokens(h.shape[0])["embed"])
+
+    # -- the layer feed (device ops; read on a host thread) -------------------------------------------
+    @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
+    def publish_layer(self, layer: int) -> None:
+        """Layer `layer` has routed (its ids, logits and speculative ids are recorded): copy them to
+        the host mirror between its two step words (slot 1 + layer)."""
+        if self.want_feed and self._step_tokens is not None:
+            self._publish(1 + layer, layer)
+
+    @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
+    def publish_embedding(self) -> None:
+        """The step's pooled embedding is recorded: copy it to the host mirror (slot 0)."""
+        if self.want_feed and self._step_tokens is not None and self.want_embed:
+            self._publish(0, None)
+
+    def _publish(self, slot: int, layer: int | None) -> None:
+        """Two copies on the compute stream: the slot's bytes (the embedding, or the layer's row),
+        then the step's number into the slot's word."""
+        tokens = self._step_tokens
+        dev, host = self.views(tokens), self._mirror_views(tokens)
+        async_ = self.device.type == "cuda"
+        region = "embed" if layer is None else "rows"
+        src, dst = (dev[region], host[region]) if layer is None else (dev[region][layer], host[region][layer])
+        dst.copy_(src, non_blocking=async_)
+        self._seq_host[slot].copy_(self._seq_dev, non_blocking=async_)
+        for wake in self.on_publish:
+            wake()
+
+    def feed_seq(self, slot: int) -> int:
+        """The step whose slot `slot` (0: embedding, 1 + l: layer l) last landed whole on the host."""
+        return int(self._seq_np[slot])
+
+    def feed_read(self, slot: int, iteration: int, tokens: int) -> dict[str, np.ndarray] | None:
+        """Copies of slot `slot`'s regions for step `iteration` of `tokens` tokens ("embed" (H,), or
+        "ids" (T, k), "logits" (T, E), "spec" (T, k)); None if that step's data is not (or no longer)
+        there whole."""
+        if self.feed_seq(slot) != iteration:
+            return None
+        host = self._host_views.get(("fixed" if tokens <= self.decode_tokens else "growing", tokens))
+        if host is None:  # (made by the forward thread's first publication of that shape)
+            return None
+        if slot == 0:
+            out = {"embed": host["embed"].numpy().copy()}
+        else:
+            out = {n: host[n][slot - 1].numpy().copy() for n in ("ids", "logits", "spec") if n in host}
+        # the next step publishes its embedding before any of its layers: while slot 0 still holds
+        # this step (or an earlier one), no later step has begun overwriting what was just read
+        if self.feed_seq(0) > iteration:
+            return None
+        return out
 
     # -- step boundaries (host) --------------------------------------------------------------------
     def take_ready(self) -> list[StepRecord]:
@@ -254,13 +364,17 @@ class StepObservations:
         iteration, tokens, context = step
         L, E, k, H = self.shape
         raw = host.numpy()
+        rows = raw[: L * lay.row_bytes].reshape(L, lay.row_bytes)
 
         def region(spec, dtype, shape):
             if spec is None:
                 return None
             start, count = spec
-            return raw[start : start + 4 * count].view(dtype).reshape(shape)
+            return rows[:, start : start + 4 * count].view(dtype).reshape(shape)
 
+        embed = None
+        if lay.embed is not None:
+            embed = raw[lay.embed[0] : lay.embed[0] + 4 * H].view(np.float32)
         return StepRecord(
             iteration,
             tokens,
@@ -268,7 +382,7 @@ class StepObservations:
             region(lay.pools, np.int32, (L, tokens, k)),
             region(lay.logits, np.float32, (L, tokens, E)),
             region(lay.spec, np.int32, (L, tokens, k)),
-            region(lay.embed, np.float32, (H,)),
+            embed,
             E,
             context,
         )

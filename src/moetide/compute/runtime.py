@@ -73,6 +73,7 @@ class ExpertRuntime:
         self.observations: StepObservations | None = None  # set by `engine.assemble`
         self.observing = False  # a policy reads the steps: PolicyHooks records every layer's routing
         self.step_observers: list = []  # observer(StepRecord), called one step late (PolicyHooks)
+        self.step_openers: list = []  # opener(iteration, tokens, tags) at each step's start (the layer feed)
         self.step_tags: tuple = ()  # request ids of the next step (tools that replay requests set it)
         self._in_step = False
         self._auto_step = False
@@ -146,6 +147,8 @@ class ExpertRuntime:
             # T up front: a replayed CUDA graph writes the step's buffers with no Python to tell
             tokens = num_tokens if accounts or self.observing else None
             self.observations.begin_step(self.iteration, (accounts, self.step_tags), tokens)
+            for opener in self.step_openers:
+                opener(self.iteration, tokens, self.step_tags)
         self.metrics.step_host_s += time.perf_counter() - t0
 
     def end_step(self) -> None:
@@ -200,6 +203,7 @@ class ExpertRuntime:
         if self.observations is not None and accounts:  # device copies, read one step later
             self.observations.record_ids(layer, top_k_index)
             self.observations.record_pools(layer, table[0], top_k_index)
+            self.observations.publish_layer(layer)  # the layer feed's copy (where a policy decides in-step)
             # (where the residency accounts nothing, an attached policy's router hook records the ids)
         if table is not None:  # the device table: no host sync at all
             if not accounts and hidden.device.type == "cpu":  # a static table; counting is free here

@@ -287,7 +287,8 @@ class GraphedDecoder:
                 state.rewind(used, positions)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), sdpa_kernel(self.sdpa_backends):
+        # thread-local: the residency's copies and the layer feed keep running on their own threads
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"), sdpa_kernel(self.sdpa_backends):
             state.step(self.forward)
         state.graph = graph
         self.captures += 1

@@ -86,9 +86,14 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     timing = {"synchronous": True, "clock": step_clock(), "update_interval_s": DETERMINISTIC_UPDATE_STEPS}
     from ..residency.core import TABLE_LAG
 
+    # policies that predict within a step see each layer as it runs (the layer feed); the rest, and
+    # every policy under --deterministic, see each step one step late (compute/observations.py)
+    # (extra={"in_step": False}: the step-late form everywhere, for comparisons)
+    in_step = spec.in_step and not config.deterministic and getattr(residency, "table_mode", False)
+    in_step = in_step and config.extra.get("in_step", True)
     policy = make_policy(
         config.policy,
-        lookahead=TABLE_LAG,  # the runtime publishes each step one step late (compute/observations.py)
+        lookahead=0 if in_step else TABLE_LAG,
         prefetch_distance=config.prefetch_distance,
         n_hi=n_hi,
         map_store_path=config.extra.get("map_store_path"),
@@ -102,7 +107,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         scheduler.set_promotion_gain(loaded.store.promotion_gain(options.hi_precision, options.lo_precision))
     residency.options = replace(residency.options, eviction=spec.eviction)
     loaded.policy_hooks = PolicyHooks(
-        loaded.model, loaded.adapter, [policy], sink=residency, runtime=loaded.runtime
+        loaded.model, loaded.adapter, [policy], sink=residency, runtime=loaded.runtime, in_step=in_step
     )
 
 

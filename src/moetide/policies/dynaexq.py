@@ -291,6 +291,10 @@ class CombinedPolicy(PolicyBase):
             if distance in getattr(p, "speculative_distances", ()):
                 p.observe_speculative(iteration, layer, distance, topk_ids)
 
+    def poll(self) -> None:
+        if hasattr(self.prefetch_policy, "poll"):
+            self.prefetch_policy.poll()
+
     def end_iteration(self, iteration) -> None:
         for p in self.parts:
             p.end_iteration(iteration)

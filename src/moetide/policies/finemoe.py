@@ -282,6 +282,12 @@ class FineMoEPolicy(PolicyBase):
             return
         self._submit(("layer", iteration, layer, gate_probs, topk_ids))
 
+    def poll(self) -> None:
+        """Hand the searcher process's latest decisions to the sink (the layer feed calls this while
+        it waits for the next layer, so that a prediction reaches the residency before its layer)."""
+        if self._process is not None:
+            self._process.apply_decisions(self.sink)
+
     def end_iteration(self, iteration) -> None:
         if self._process is not None:
             self._process.apply_decisions(self.sink)

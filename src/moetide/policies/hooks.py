@@ -55,16 +55,22 @@ class PolicyHooks:
     (`runtime.observations`: router logits, speculative ids, the pooled embedding; the runtime writes
     the ids), so they add no host sync, run inside captured CUDA graphs, and the step is published to
     the policies one step later from its host copy (`runtime.step_observers`): every policy
-    decides between steps. Without a runtime (offline tools on a plain transformers model) each layer
-    is published as it runs, with a host copy per layer.
+    decides between steps. With `in_step` as well, a thread (`in_step.LayerFeed`) publishes each
+    layer while the step runs, from a host mirror the device writes as each layer routes, and the
+    residency acts on the requests within the step (`sink.in_step`); the step-late publication then
+    only accounts. Without a runtime (offline tools on a plain transformers model) each layer is
+    published as it runs, with a host copy per layer.
     """
 
-    def __init__(self, hf_model, adapter, policies: Sequence[ExpertPolicy], sink=None, runtime=None):
+    def __init__(
+        self, hf_model, adapter, policies: Sequence[ExpertPolicy], sink=None, runtime=None, in_step: bool = False
+    ):
         self.model = hf_model
         self.policies = list(policies)
         self.iteration = 0
         self.enabled = True  # False: every hook returns at once (the policies see nothing)
         self.hook_time_s = 0.0  # forward-thread seconds spent inside these hooks and publishing
+        self.feed_time_s = 0.0  # the layer feed's thread: seconds spent publishing to the policies
         layers = moe_layers(hf_model, adapter)
         if not layers:
             raise ValueError(f"no MoE block with a '{adapter.router_attr}' router in this model")
@@ -92,6 +98,12 @@ class PolicyHooks:
             self._obs.want(logits=True, spec=bool(self._distances), embed=True)
             runtime.observing = True
             runtime.step_observers.append(self._on_step)
+        self.feed = None
+        if in_step and self._obs is not None:
+            from .in_step import LayerFeed
+
+            self.feed = LayerFeed(self, self._obs, sink, len(self.routers))
+            runtime.step_openers.append(self.feed.announce)
         self._handles = [hf_model.get_input_embeddings().register_forward_hook(self._on_embedding)]
         for ordinal, router in enumerate(self.routers):
             self._handles.append(router.register_forward_hook(self._router_hook(ordinal)))
@@ -118,6 +130,7 @@ class PolicyHooks:
         t0 = time.perf_counter()
         if self._obs is not None:
             self._obs.record_embedding(output.detach())
+            self._obs.publish_embedding()
         else:
             self.iteration += 1
             h = output.detach().reshape(-1, output.shape[-1])
@@ -193,10 +206,40 @@ class PolicyHooks:
             p.end_iteration(self.iteration)
         self.hook_time_s += time.perf_counter() - t0
 
+    # -- within the step (the layer feed's thread) ----------------------------------------------------
+    def publish_begin(self, iteration: int, embed, num_tokens: int, request_ids) -> None:
+        """The step's embedding has landed on the host (`embed (H,)` float32 numpy, or None)."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        self.iteration = iteration
+        embedding = torch.from_numpy(embed) if embed is not None else None
+        for p in self.policies:
+            p.begin_iteration(iteration, embedding, num_tokens, request_ids=request_ids)
+        self.feed_time_s += time.perf_counter() - t0
+
+    def publish_layer(self, iteration: int, ordinal: int, data: dict) -> None:
+        """MoE layer `ordinal` has routed: `data` "ids" (T, k) int32, "logits" (T, E), "spec" (T, k)."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        probs = _mean_gate_probs(torch.from_numpy(data["logits"]))
+        self._publish(ordinal, probs, torch.from_numpy(data["ids"].astype(np.int64)))
+        if "spec" in data and ordinal + self._distances[0] < len(self.routers):
+            self._speculative(ordinal, self._distances[0], torch.from_numpy(data["spec"].astype(np.int64)))
+        self.feed_time_s += time.perf_counter() - t0
+
+    def publish_end(self, iteration: int) -> None:
+        if not self.enabled:
+            return
+        for p in self.policies:
+            p.end_iteration(iteration)
+
     # -- one step late (engine) ----------------------------------------------------------------------
     def _on_step(self, record) -> None:
-        """Publish a finished step from its host copy (`observations.StepRecord`)."""
-        if not self.enabled or record.logits is None:
+        """Publish a finished step from its host copy (`observations.StepRecord`); with the layer
+        feed the policies have seen it already, as it ran."""
+        if not self.enabled or record.logits is None or self.feed is not None:
             return
         t0 = time.perf_counter()
         self.iteration = record.iteration
@@ -214,6 +257,11 @@ class PolicyHooks:
         self.hook_time_s += time.perf_counter() - t0
 
     def remove(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+            if self.feed.announce in self._runtime.step_openers:
+                self._runtime.step_openers.remove(self.feed.announce)
+            self.feed = None
         runtime = self._runtime
         if runtime is not None and self._on_step in runtime.step_observers:
             runtime.flush_observations()

@@ -20,6 +20,7 @@ evicted. A slot goes back to its free list only after the compute that last read
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -50,8 +51,11 @@ class ResidencyOptions:
         With "lo" or "zero-copy" the core keeps a device table (`step_table`) that every layer
         reads, changed only between steps (`begin_step`), and nothing in a step waits for the host.
     max_background_copies: precision changes (promotions) issued per layer at most (migration rate
-        limit). Prefetches are not limited: the policy sized them (FineMoE's delta), and a cap left
-        them queued until they were stale (measured: more copies, fewer of them used).
+        limit). Prefetches are not queued behind a limit: the policy sized them (FineMoE's delta),
+        and a queue left them until they were stale (measured: more copies, fewer of them used).
+    max_inflight_prefetches: predicted copies in flight at once (None: two per layer); beyond it a
+        prediction is dropped, not queued (MoE-Infinity's per-layer share moved 61 GB in 64 steps).
+        Copies that cache a miss are not predictions and are never dropped for it.
     protect_iterations: a `protect` request holds for this many iterations.
     eviction: "lru", or "prob-freq" (FineMoE's rule: the lowest probability x visit count goes first,
         probability being the latest estimate for the expert, from a prefetch's predicted priority or
@@ -62,6 +66,9 @@ class ResidencyOptions:
     lo_precision: str = "int4"
     on_miss: str = "stall"
     max_background_copies: int = 8
+    # prefetch copies in flight at once, at most (None: two per layer); a prediction past it is
+    # dropped: it would land after the step it was for, and it takes the link a miss reads over
+    max_inflight_prefetches: int | None = None
     protect_iterations: int = 1
     hi_precision: str = "hi"  # the version the hi pool holds: "hi" (checkpoint precision) or a FORMATS name
     eviction: str = "lru"
@@ -78,6 +85,22 @@ class ResidencyOptions:
 EVICTION_RULES = ("lru", "prob-freq")
 ON_MISS_RULES = ("lo", "zero-copy", "stall")
 TABLE_LAG = 2  # a request made from step i's observations first reaches the table of step i + 2
+
+
+class _LazyVictims:
+    """pool -> `next_victim` for the prefetches of one `in_step` call, each pool's versions ranked
+    only once a prefetch needs a victim there (most calls need none)."""
+
+    def __init__(self, manager, routed: int):
+        self._manager, self._routed, self._queues = manager, routed, {}
+
+    def __getitem__(self, pool: str):
+        def next_victim():
+            if pool not in self._queues:
+                self._queues[pool] = self._manager._victim_queue(pool, below_layer=self._routed)
+            return self._queues[pool]()
+
+        return next_victim
 
 
 class ResidencyManager:
@@ -139,6 +162,15 @@ class ResidencyManager:
         self._watch: set[tuple[int, int]] = set()  # handles whose entry may have changed
         self._step_marker = None  # compute marker after the last step (gates slot reuse in table mode)
         self._host_pool = None
+        # the layer feed's thread (`in_step`) and the forward thread's step boundaries take turns
+        self._lock = threading.RLock()
+        self.in_step_fed = False  # a layer feed calls `in_step` (set by it): keep a reserve of slots
+        self._in_step_short: dict[str, int] = {}  # pool -> in-step prefetches that wanted a slot, this step
+        self._reserve: dict[str, float] = {}  # pool -> slots begin_step parks for them (EMA)
+        self._parked: dict[tuple[int, int, str], None] = {}  # (layer, expert, pool) out of this step's table
+        self._inflight: deque = deque()  # prefetch versions issued, oldest first (pruned as they land)
+        self._parked_in_step: dict[int, dict] = {}  # iteration -> what was parked in it (metrics)
+        self._fills: set[tuple[int, int]] = set()  # queued requests that cache a miss (hi-cache)
         if self.table_mode:
             self._watch = {(l, e) for l in range(L) for e in range(E)}
         if options.mode == "lo+hi" or options.mode == "all-lo":
@@ -158,6 +190,10 @@ class ResidencyManager:
         priorities = None if priorities is None else tuple(priorities)
         self._requests.put(("prefetch", layer, tuple(experts), (iteration, priorities, protect)))
 
+    def has_requests(self) -> bool:
+        """Whether a policy has asked for something since the requests were last drained."""
+        return not self._requests.empty()
+
     def observe_gate_probs(self, layer: int, probs) -> None:
         """The mean gate probabilities `(E,)` of `layer` in the running step (for prob-freq eviction)."""
         self._requests.put(("observed", layer, None, np.asarray(probs, dtype=np.float32)))
@@ -172,6 +208,7 @@ class ResidencyManager:
     def begin_iteration(self, iteration: int) -> None:
         if self.options.deterministic:
             self._publish_all_copies()
+            self._inflight.clear()
         self.iteration = iteration
         self._layers_done = -1
         lag = TABLE_LAG if self.table_mode else 0
@@ -271,12 +308,13 @@ class ResidencyManager:
         chosen = best[True] or best[False]
         return chosen[1] if chosen else None
 
-    def _victim_queue(self, pool: str):
+    def _victim_queue(self, pool: str, below_layer: int | None = None):
         """For a burst of prefetches: every evictable version ranked once, in the order `_victim`
         would pick them (sparing protected ones); returns `next_victim()`, which skips versions that
-        were evicted, used, protected or touched since. One ranking instead of one scan per copy."""
+        were evicted, used, protected or touched since. One ranking instead of one scan per copy.
+        `below_layer`: only versions of layers before it (`in_step`)."""
         ranked = [(not cold, score, i, h) for i, (h, cold, score) in enumerate(
-            self._candidates(pool, protect_all=True))]  # fmt: skip
+            self._candidates(pool, protect_all=True)) if below_layer is None or h.layer < below_layer]  # fmt: skip
         ranked.sort(key=lambda r: r[:3])
         queue_ = deque(r[3] for r in ranked)
         tick = self._tick
@@ -321,6 +359,69 @@ class ResidencyManager:
             if not self._reclaim(wait_for_one=may_wait):
                 return None
         return None
+
+    RESERVE_SHARE = 3  # at most 1/3 of a pool is parked for in-step prefetches
+
+    def _keep_reserve(self) -> None:
+        """Between steps, with a layer feed: park versions for the prefetches the next step makes as
+        it runs. Within a step `in_step` may only evict versions that the step can no longer read;
+        without a reserve that singles out the first layers' experts. A parked version is taken out
+        of the step's table (its expert runs as if it were not resident: lo, zero-copy) but keeps its
+        slot: an in-step prefetch takes the slot at once, else the version comes back at the next
+        step boundary, uncopied. As many as the last steps' in-step prefetches wanted (smoothed), at
+        most a share of the pool, chosen by the eviction rule over every layer."""
+        for key in self._parked:
+            self._watch.add(key[:2])
+        self._parked = {}
+        self._parked_in_step = {it: keys for it, keys in self._parked_in_step.items() if it > self.iteration - 4}
+        self._parked_in_step[self.iteration] = self._parked  # (for the accounting a step later)
+        for name, p in self.pools.items():
+            if not self._evicts(name):
+                continue
+            wanted = self._in_step_short.pop(name, 0)
+            target = self._reserve[name] = 0.7 * self._reserve.get(name, 0.0) + 0.3 * wanted
+            want = min(int(round(target)), p.num_slots // self.RESERVE_SHARE) - p.free_slots
+            if want <= 0:
+                continue
+            next_victim = self._victim_queue(name)
+            while want > 0 and (victim := next_victim()) is not None:
+                self._parked[(victim.layer, victim.expert, name)] = None
+                self._watch.add((victim.layer, victim.expert))
+                want -= 1
+
+    def _take_slot_in_step(self, pool: str, next_victim) -> int | None:
+        """Within a step: a free slot of `pool` with its budget reserved, else the slot of a parked
+        version, else that of the victim `next_victim()` gives (a version no reader still needs: it
+        changes hands without waiting)."""
+        self._reclaim()
+        self._in_step_short[pool] = self._in_step_short.get(pool, 0) + 1
+        p = self.pools[pool]
+        slot = p.take()
+        if slot is not None:
+            if self.budget.try_reserve(p.slot_bytes, f"expert_{pool}"):
+                return slot
+            p.give(slot)
+            return None
+        victim = None
+        while self._parked_in(pool) and victim is None:
+            key = next(k for k in self._parked if k[2] == pool)
+            del self._parked[key]
+            h = self.handles[key[0]][key[1]]
+            if pool in h.versions and not h.in_use:
+                victim = h
+        victim = victim or next_victim()
+        if victim is None:
+            return None
+        self._parked.pop((victim.layer, victim.expert, pool), None)
+        version = victim.versions.pop(pool)
+        self._lru[pool].pop((victim.layer, victim.expert), None)
+        self._watch.add((victim.layer, victim.expert))
+        self._table_master[victim.layer, 0, victim.expert] = NOT_RESIDENT  # until the next write recomputes it
+        self.metrics.bump("evictions")
+        return version.slot  # its reservation carries over to the new version
+
+    def _parked_in(self, pool: str) -> bool:
+        return any(k[2] == pool for k in self._parked)
 
     def _finish_oldest_copy(self, pool: str) -> ExpertHandle | None:
         """Every slot holds a copy in flight: wait for the oldest, publish it, offer it for eviction."""
@@ -395,10 +496,11 @@ class ResidencyManager:
                         version.ready.synchronize()
                         version.published = True
 
-    def _issue_prefetch(self, iteration: int, layer: int, expert: int, victims_for=None) -> bool:
+    def _issue_prefetch(self, iteration: int, layer: int, expert: int, victims_for=None, in_step=None) -> bool:
         """Start one queued prefetch; True if it started a copy. Requests older than the previous
         iteration, or for a layer that has already run in this one, are dropped. `victims_for`: a
-        `_victim_queues()` for a burst."""
+        `_victim_queues()` for a burst. `in_step`: pool -> `_victim_queue(below_layer=...)` within a
+        step (`in_step`): a victim's slot is reused at once, its readers being done."""
         if self.table_mode:  # made from a step's observations, for the steps after it
             if iteration < self.iteration - TABLE_LAG:
                 return False
@@ -411,14 +513,35 @@ class ResidencyManager:
         if pool in h.versions:
             if self._evicts(pool):  # a pool that holds every expert keeps no LRU order worth a touch
                 self._touch(h, pool)
+            # predicted after all: no in-step prefetch may take its slot (it is back in the next table)
+            self._parked.pop((layer, expert, pool), None)
             return False
-        victims = victims_for(pool) if victims_for is not None else None
-        slot = self._take_slot(pool, may_evict=True, may_wait=False, next_victim=victims)
+        fill = (layer, expert) in self._fills  # caching a miss: not a prediction, never dropped for the link
+        self._fills.discard((layer, expert))
+        if not fill and self._prefetch_link_full():
+            self.metrics.bump("deferred")
+            return False
+        if in_step is not None:
+            slot = self._take_slot_in_step(pool, in_step[pool])
+        else:
+            victims = victims_for(pool) if victims_for is not None else None
+            slot = self._take_slot(pool, may_evict=True, may_wait=False, next_victim=victims)
         if slot is None:
             self.metrics.bump("deferred")
             return False
-        self._start_copy(h, pool, slot, PRIORITY_PREFETCH).prefetched = True
+        version = self._start_copy(h, pool, slot, PRIORITY_PREFETCH)
+        version.prefetched = True
+        version.issued_at = self.iteration
+        self._inflight.append(version)
         return True
+
+    def _prefetch_link_full(self) -> bool:
+        """Whether `max_inflight_prefetches` copies are still under way (landed ones are pruned)."""
+        cap = self.options.max_inflight_prefetches or 2 * self.store.num_layers
+        # (deterministic: only step boundaries retire copies, whenever they land: no timing enters)
+        while self._inflight and not self.options.deterministic and self._inflight[0].ready.query():
+            self._inflight.popleft()
+        return len(self._inflight) >= cap
 
     def _prefetch_pool(self, h: ExpertHandle) -> str | None:
         """The pool a prefetch of `h` fills: the hi pool when there is one, except in the lo+hi mode
@@ -579,21 +702,65 @@ class ResidencyManager:
         changes, evictions), publish the copies that have landed, and write the device table the next
         step's layers read. No host sync: a copy is published only once its event has completed
         (under `deterministic`, every copy in flight is waited for here, at the step boundary)."""
-        self.begin_iteration(iteration)
-        if not self.table_mode:
-            return
-        self._drain_requests()
-        self._reclaim()
-        self._issue_background(self.options.max_background_copies * self.store.num_layers)
-        self._write_table()
-        self.metrics.peak_device_bytes = max(self.metrics.peak_device_bytes, self.budget.peak_bytes)
+        with self._lock:
+            self.begin_iteration(iteration)
+            if not self.table_mode:
+                return
+            self._drain_requests()
+            self._reclaim()
+            self._issue_background(self.options.max_background_copies * self.store.num_layers)
+            if self.in_step_fed:
+                self._keep_reserve()
+            self._write_table()
+            self.metrics.peak_device_bytes = max(self.metrics.peak_device_bytes, self.budget.peak_bytes)
 
     def end_step(self) -> None:
         """The step's work has been issued: its compute marker gates the reuse of every slot the
         table pointed at, and every protection for this iteration has served."""
-        self._step_marker = self.transfer.compute_marker()
-        self._layers_done = self.store.num_layers - 1
-        self._protected = {k: it for k, it in self._protected.items() if it > self.iteration}
+        with self._lock:
+            self._step_marker = self.transfer.compute_marker()
+            self._layers_done = self.store.num_layers - 1
+            self._protected = {k: it for k, it in self._protected.items() if it > self.iteration}
+
+    def in_step(self, iteration: int, routed: int, used=None) -> int:
+        """Within a step (the layer feed's thread): MoE layer `routed` of step `iteration` has routed on
+        the device, so every layer before it has finished computing. The policies' requests are drained
+        and the prefetches for this step's later layers start at once; they publish themselves when
+        they land (`_publishing_words`), so a layer that runs after that reads them. The slots they
+        take are free ones, or those of versions that only layers before `routed` could read in this
+        step (nothing else reads them any more: the next step's table is written from the host's,
+        under this lock). Nothing for a step that is not the latest begun, or under `deterministic`.
+        `used`: the experts layer `routed` chose (any shape): their versions are touched now, so
+        that the LRU order this step's evictions follow knows them (the step's accounting comes a
+        step later). Returns the copies started."""
+        with self._lock:
+            if not self.table_mode or self.options.deterministic or iteration != self.iteration:
+                return 0
+            if used is not None and routed >= 0:
+                for expert in np.unique(used).tolist():
+                    h = self.handles[routed][expert]
+                    for pool in h.versions:
+                        if self._evicts(pool):
+                            self._touch(h, pool)
+            self._drain_requests()
+            # the layers that have run in this step: their protection has served
+            self._protected = {k: it for k, it in self._protected.items() if k[0] >= routed or it > iteration}
+            if not self._prefetch_queue:
+                return 0
+            later, started = deque(), 0
+            victims = _LazyVictims(self, routed)
+            while self._prefetch_queue:
+                request = self._prefetch_queue.popleft()
+                it, layer, expert = request
+                if it > iteration:  # for a later step: its begin_step issues it
+                    later.append(request)
+                    continue
+                if layer <= routed:  # its layer is running or has run in this step: too late
+                    continue
+                started += self._issue_prefetch(*request, in_step=victims)
+            self._prefetch_queue = later
+            self.metrics.peak_device_bytes = max(self.metrics.peak_device_bytes, self.budget.peak_bytes)
+            return started
 
     def step_table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(pool_of, slot_of)` (E,) int32 device views of `layer`'s entries in the device table, or
@@ -609,7 +776,7 @@ class ResidencyManager:
         else (zero-copy) its hi version in host memory, else nowhere."""
         for pool in ("hi", "lo"):
             v = h.versions.get(pool)
-            if v is not None and self._publish_if_ready(v):
+            if v is not None and (h.layer, h.expert, pool) not in self._parked and self._publish_if_ready(v):
                 return self.pool_ids[pool], v.slot
         if self.options.on_miss == "zero-copy":
             return self.pool_ids["host"], self.store.row(h.layer, h.expert)
@@ -644,6 +811,10 @@ class ResidencyManager:
         event.record()
 
     def observe_step(self, ran: np.ndarray, iteration: int) -> None:
+        with self._lock:
+            self._observe_step(ran, iteration)
+
+    def _observe_step(self, ran: np.ndarray, iteration: int) -> None:
         """Account one finished step (table mode, read one step late): `ran (L, E)` the pool each
         expert ran from as its layer read the table (`StepRecord.ran_from`; -2: not used). Each use
         is a hit (the wanted version), a lo run (lo in place of hi) or a miss (read from host memory);
@@ -679,6 +850,13 @@ class ResidencyManager:
                     self.metrics.bump("prefetches_used")
             elif pool is None and self.options.mode == "hi-cache" and "hi" not in h.versions:
                 self._prefetch_queue.append((iteration, int(layer), int(expert)))  # cache what was used
+                self._fills.add((int(layer), int(expert)))
+            hi = h.versions.get("hi")
+            if pool != "hi" and hi is not None:  # it ran from lo or host memory with a hi version kept
+                if hi.prefetched and hi.issued_at <= iteration:
+                    self.metrics.bump("prefetches_late")  # predicted in time, landed too late
+                elif (int(layer), int(expert), "hi") in self._parked_in_step.get(iteration, ()):
+                    self.metrics.bump("parked_misses")  # its slot was parked for in-step prefetches
 
     # -- set-up and reporting ---------------------------------------------------------------------------
     def preload(self, pool: str, count: int | None = None, progress=None) -> None:

@@ -46,6 +46,7 @@ class DeviceVersion:
     last_read: object = None  # compute marker after the last step that used it
     last_use: int = 0  # LRU tick
     prefetched: bool = False  # brought in by a prefetch, not yet used
+    issued_at: int = -1  # the iteration its copy was started in
     uses: int = 0
 
 

@@ -27,6 +27,8 @@ class ExpertMetrics:
     copies: int = 0
     prefetches_issued: int = 0
     prefetches_used: int = 0
+    prefetches_late: int = 0  # a prefetched version still on its way when its layer read the table
+    parked_misses: int = 0  # a resident version kept out of the step's table (the in-step reserve)
     promotions: int = 0
     demotions: int = 0
     evictions: int = 0
@@ -86,6 +88,8 @@ class ExpertMetrics:
             "copies": self.copies,
             "prefetches_issued": self.prefetches_issued,
             "prefetches_used": self.prefetches_used,
+            "prefetches_late": self.prefetches_late,
+            "parked_misses": self.parked_misses,
             "promotions": self.promotions,
             "demotions": self.demotions,
             "evictions": self.evictions,
