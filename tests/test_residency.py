@@ -648,11 +648,8 @@ def test_relative_gpu_memory_works_wherever_gpu_memory_does(qwen3_checkpoint):
 
 
 def _kv_bytes(engine) -> int:
-    """Bytes of the K/V tensors the running batch's cache holds now."""
-    if engine.batch is None:
-        return 0
-    tensors = [t for layer in engine.batch.cache.layers for t in (layer.keys, layer.values) if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of the K/V pools the paged cache holds now."""
+    return engine.runner.kv.nbytes
 
 
 def test_every_allocation_of_a_budgeted_run_fits_the_cap():

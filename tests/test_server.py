@@ -129,12 +129,12 @@ class SlowRunner:
         self.fail_when_queued = False  # raise once, on the first decode while a request waits
         engine.runner.decode = self  # this instance only; the class is untouched
 
-    def __call__(self, batch, last_tokens):
+    def __call__(self, seqs):
         time.sleep(0.02)
         if self.fail_when_queued and self.engine.waiting:
             self.fail_when_queued = False
             raise RuntimeError("injected decode failure")
-        return self.decode(batch, last_tokens)
+        return self.decode(seqs)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from .metrics import ExpertMetrics
 from .transfer import CpuTransfer, CudaTransfer
 
 MAX_PREFILL_TOKENS = 1024  # tokens per prefill forward; sizes the activation workspace
+KV_BLOCK_SIZE = 16  # tokens per block of the paged KV cache; the reservation adds one pad block
 
 
 AUTO_LO_MIN_HI_SHARE = 0.25  # "auto" keeps int4 only if >= this share of the expert memory is left for hi
@@ -94,7 +95,7 @@ def fixed_costs(
         + heads * tokens * tokens * 4  # attention scores if the math path of SDPA is taken
         + config.max_num_seqs * model_config.vocab_size * 4 * 3  # last-position logits and sampling
     )
-    return FixedCosts(weights, kv_tokens * per_token, activations, moe_scratch, kv_tokens)
+    return FixedCosts(weights, (kv_tokens + KV_BLOCK_SIZE) * per_token, activations, moe_scratch, kv_tokens)
 
 
 def resolve_on_miss(on_miss: str, mode: str) -> str:
