@@ -104,8 +104,9 @@ class BlockAllocator:
         cached_hits = sum(1 for b in hits if self._blocks[b].ref_count == 0)
         if need + reserve > self.num_available - cached_hits:
             return None
-        self.query_tokens += len(token_ids)
-        self.hit_tokens += len(hits) * self.block_size
+        if self.prefix_caching:
+            self.query_tokens += len(token_ids)
+            self.hit_tokens += len(hits) * self.block_size
         for b in hits:
             if self._blocks[b].ref_count == 0:
                 del self._cached[b]

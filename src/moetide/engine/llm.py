@@ -10,7 +10,7 @@ from ..config import EngineConfig, format_bytes
 from ..errors import ConfigError
 from ..models.checkpoint import inspect_checkpoint, load_tokenizer
 from ..models.loader import LoadedModel, resolve_device
-from ..residency import KV_BLOCK_SIZE, MAX_PREFILL_TOKENS
+from ..residency import KV_BLOCK_SIZE, MAX_PREFILL_TOKENS, kv_pool_blocks
 from .assemble import load_model
 from .kv_blocks import BlockAllocator
 from .llm_engine import PREFILL_CHUNK_TOKENS, LLMEngine
@@ -202,7 +202,7 @@ def paged_kv(
     is reserved on top), or, with no plan (the CPU without a budget), `max_num_seqs` full-length
     sequences' worth, allocated as it is first used."""
     tokens = kv_tokens if kv_tokens is not None else config.max_num_seqs * max_model_len
-    num_blocks = max(1, tokens // KV_BLOCK_SIZE)
+    num_blocks = kv_pool_blocks(tokens)
     grow = loaded.device.type == "cpu"
     return (
         BlockAllocator(num_blocks, block_size=KV_BLOCK_SIZE, prefix_caching=config.prefix_caching),

@@ -191,6 +191,7 @@ class LLMEngine:
                 seqs = [scheduled.prefill[i][0] for i in ready]
                 rows = logits if len(ready) == len(scheduled.prefill) else logits[ready]
                 outputs += self._postprocess(seqs, self._sample(seqs, rows))
+        self.scheduler.drop_finished()  # their blocks are free for the next step's admissions
         if not self.has_unfinished():  # idle: the last steps' observations reach metrics and policies
             self.runner.flush()
         return outputs

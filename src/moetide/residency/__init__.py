@@ -13,14 +13,13 @@ from ..config import EngineConfig
 from ..errors import BudgetError, ConfigError
 from ..policies.registry import policy_spec
 from ..store.host_store import HostExpertStore
-from .budget import BudgetTracker, FixedCosts, MemoryPlan, plan_memory
+from .budget import KV_BLOCK_SIZE, BudgetTracker, FixedCosts, MemoryPlan, kv_pool_blocks, kv_pool_bytes, plan_memory
 from .core import ResidencyManager, ResidencyOptions
 from .direct import DirectResidency
 from .metrics import ExpertMetrics
 from .transfer import CpuTransfer, CudaTransfer
 
 MAX_PREFILL_TOKENS = 1024  # tokens per prefill forward; sizes the activation workspace
-KV_BLOCK_SIZE = 16  # tokens per block of the paged KV cache; the reservation adds one pad block
 
 
 AUTO_LO_MIN_HI_SHARE = 0.25  # "auto" keeps int4 only if >= this share of the expert memory is left for hi
@@ -95,7 +94,8 @@ def fixed_costs(
         + heads * tokens * tokens * 4  # attention scores if the math path of SDPA is taken
         + config.max_num_seqs * model_config.vocab_size * 4 * 3  # last-position logits and sampling
     )
-    return FixedCosts(weights, (kv_tokens + KV_BLOCK_SIZE) * per_token, activations, moe_scratch, kv_tokens)
+    return FixedCosts(weights, kv_pool_bytes(kv_tokens, per_token), activations, moe_scratch, kv_tokens)
+
 
 
 def resolve_on_miss(on_miss: str, mode: str) -> str:
