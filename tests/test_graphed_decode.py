@@ -31,7 +31,8 @@ def _teacher_forced_logits(llm, graphs, steps: int) -> list[torch.Tensor]:
     """Prefill PROMPTS together, then decode `steps` steps feeding fixed tokens; logits per step."""
     engine, runner = llm.engine, llm.engine.runner
     runner.graphs = graphs
-    seqs = [engine.add_request(llm.tokenizer.encode(p), moetide.SamplingParams(max_tokens=64)) for p in PROMPTS]
+    params = moetide.SamplingParams(max_tokens=64)
+    seqs = [engine.add_request(llm.tokenizer.encode(p), params) for p in PROMPTS]
     scheduled = engine.scheduler.schedule()  # admits all three: one packed prefill
     assert [s for s, _ in scheduled.prefill] == seqs
     runner.kv.reserve(engine.blocks.high_water)

@@ -88,33 +88,45 @@ def _greedy(n: int) -> moetide.SamplingParams:
 
 
 def _reference(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2)
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2
+    )
     return out[0, len(prompt) :].tolist()
 
 
-def _run_checking_blocks(engine, requests) -> list[list[int]]:
+def _run_checking_blocks(engine, requests, on_step=None) -> list[list[int]]:
     """Add `(prompt, max_tokens)` requests, step until done; after every step the blocks in use
-    stay within Σ ceil(tokens / block) + 1 over the running sequences."""
+    stay within Σ ceil(tokens / block) + 1 over the running sequences (`on_step(seqs)` sees them)."""
     seqs = [engine.add_request(prompt, _greedy(n)) for prompt, n in requests]
     while engine.has_unfinished():
         engine.step()
         assert engine.blocks.num_used <= engine.scheduler.used_block_bound()
+        if on_step is not None:
+            on_step(seqs)
     assert engine.blocks.num_used == len({b for s in engine.running for b in s.block_table})
     return [s.output_ids for s in seqs]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prompts_of_3_to_1500_tokens_batched_give_transformers_greedy_tokens(long_checkpoints, family):
-    """Four prompts admitted together: the 1,500-token one is prefilled in three chunks (512 tokens
-    a step) while the short ones already decode."""
+    """Four prompts admitted together: the 1,500-token one is prefilled in chunks (512 tokens a
+    step, the first shared with the short prompts) while the short ones already decode."""
     path, reference = long_checkpoints[family]
-    requests = [(_prompt(n, seed), out) for seed, (n, out) in enumerate([(1500, 4), (3, 8), (40, 6), (600, 5)])]
+    lengths = [(3, 8), (40, 6), (1500, 4), (600, 5)]
+    requests = [(_prompt(n, seed), out) for seed, (n, out) in enumerate(lengths)]
+    decoded_while_long_prefills = []
+
+    def watch(seqs):
+        if seqs[2].num_computed < 1500:
+            decoded_while_long_prefills.append(len(seqs[0].output_ids))
+
     llm = moetide.LLM(path, device="cpu")
     try:
-        got = _run_checking_blocks(llm.engine, requests)
-        assert llm.engine.steps >= 3 + 4  # chunks of 512 tokens, and decodes after them
+        got = _run_checking_blocks(llm.engine, requests, watch)
     finally:
         llm.close()
+    assert len(decoded_while_long_prefills) >= 3  # its prefill took three steps or more
+    assert decoded_while_long_prefills[-1] >= 3  # ... and the 3-token prompt decoded meanwhile
     assert got == [_reference(reference, prompt, n) for prompt, n in requests]
 
 

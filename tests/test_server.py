@@ -292,14 +292,15 @@ def test_metrics_count_prefix_cache_hits_and_kv_blocks(server, qwen3_checkpoint)
     prefix = [(7 * i) % 80 + 10 for i in range(40)]
     total = server.engine.engine.blocks.num_blocks
     wait_for(lambda: server.metric("moetide_kv_blocks_total") == total, what="KV metrics refresh")
-    before = server.metric("moetide_prefix_cache_hits_total"), server.metric("moetide_prefix_cache_queries_total")
+    hits, queries = "moetide_prefix_cache_hits_total", "moetide_prefix_cache_queries_total"
+    before = server.metric(hits), server.metric(queries)
     client = server.client()
     texts = [
         client.completions.create(model=MODEL, prompt=prefix + tail, **greedy(5)).choices[0].text
         for tail in ([11, 12, 13], [14, 15])
     ]
-    wait_for(lambda: server.metric("moetide_prefix_cache_hits_total") >= before[0] + 32, what="prefix hits")
-    assert server.metric("moetide_prefix_cache_queries_total") >= before[1] + 2 * 40 + 5
+    wait_for(lambda: server.metric(hits) >= before[0] + 32, what="prefix hits")
+    assert server.metric(queries) >= before[1] + 2 * 40 + 5
     wait_for(lambda: server.metric("moetide_kv_blocks_used") == 0, what="blocks freed")  # nothing runs
     # the same prompts on an engine without the cache
     config = EngineConfig(model=str(qwen3_checkpoint), device="cpu", prefix_caching=False)

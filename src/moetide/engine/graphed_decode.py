@@ -222,7 +222,9 @@ class GraphedDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         if self.forward is not self.model:
-            log.info("compiling the decode step for %d rows x %d blocks (once per shape)", state.rows, state.width)
+            log.info(
+                "compiling the decode step for %d rows x %d blocks (once per shape)", state.rows, state.width
+            )
         with torch.cuda.stream(side), sdpa_kernel(self.sdpa_backends):
             for _ in range(2):
                 state.step(self.forward, self.kv, self.mask_for)

@@ -182,7 +182,11 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
     blocks, kv = paged_kv(config, loaded, kv_tokens, max_model_len)
     engine = LLMEngine(
         ModelRunner(
-            loaded.model, loaded.device, kv, graphs=graphed_decoder(config, loaded, kv), runtime=loaded.runtime
+            loaded.model,
+            loaded.device,
+            kv,
+            graphs=graphed_decoder(config, loaded, kv),
+            runtime=loaded.runtime,
         ),
         tokenizer,
         eos,

@@ -66,7 +66,9 @@ class LLMEngine:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
-        self.scheduler = Scheduler(blocks, max_num_seqs=max_num_seqs, prefill_chunk_tokens=prefill_chunk_tokens)
+        self.scheduler = Scheduler(
+            blocks, max_num_seqs=max_num_seqs, prefill_chunk_tokens=prefill_chunk_tokens
+        )
         self.steps = 0
 
     @property

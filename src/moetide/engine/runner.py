@@ -153,7 +153,8 @@ class ModelRunner:
         as_dev = lambda values: torch.tensor(values, dtype=torch.long).to(dev)  # noqa: E731
         positions = as_dev(q_pos).view(1, -1)
         mask = mask_for(self.model.config, positions, as_dev(c_pos), as_dev(q_seq), as_dev(c_seq))
-        args = (as_dev(ids).view(1, -1), positions, mask, as_dev(slots), as_dev(tables).view(1, -1), as_dev(last))
+        tokens, slot_mapping, block_tables = as_dev(ids).view(1, -1), as_dev(slots), as_dev(tables).view(1, -1)
+        args = (tokens, positions, mask, slot_mapping, block_tables, as_dev(last))
         return self._in_step(len(ids), self.forward, *args)[0]
 
     def decode_batch(self, seqs: list[Sequence]) -> DecodeBatch:

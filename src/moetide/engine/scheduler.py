@@ -79,7 +79,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.block_table, seq.cached_tokens = got
-            seq.num_computed, seq.hashed_blocks = seq.cached_tokens, seq.cached_tokens // self.blocks.block_size
+            seq.num_computed = seq.cached_tokens
+            seq.hashed_blocks = seq.cached_tokens // self.blocks.block_size
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.pending_tokens, budget)

@@ -13,7 +13,15 @@ from ..config import EngineConfig
 from ..errors import BudgetError, ConfigError
 from ..policies.registry import policy_spec
 from ..store.host_store import HostExpertStore
-from .budget import KV_BLOCK_SIZE, BudgetTracker, FixedCosts, MemoryPlan, kv_pool_blocks, kv_pool_bytes, plan_memory
+from .budget import (
+    KV_BLOCK_SIZE,
+    BudgetTracker,
+    FixedCosts,
+    MemoryPlan,
+    kv_pool_blocks,
+    kv_pool_bytes,
+    plan_memory,
+)
 from .core import ResidencyManager, ResidencyOptions
 from .direct import DirectResidency
 from .metrics import ExpertMetrics

@@ -238,7 +238,8 @@ class AsyncEngine:
         need = min(self.max_model_len, len(prompt_ids) + params.max_tokens)
         if need > self.kv_capacity_tokens:
             raise ConfigError(
-                f"prompt + max_tokens = {need} tokens; the KV cache holds {self.kv_capacity_tokens}: lower max_tokens"
+                f"prompt + max_tokens = {need} tokens; the KV cache holds {self.kv_capacity_tokens}:"
+                " lower max_tokens"
             )
 
     # -- the engine thread ---------------------------------------------------------------------------------

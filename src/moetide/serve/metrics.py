@@ -105,7 +105,7 @@ class _KVCacheCollector:
             yield family
         counters = (
             ("moetide_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
-            ("moetide_prefix_cache_hits", "Prompt tokens whose KV was found in the prefix cache", "prefix_cache_hits"),
+            ("moetide_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", "prefix_cache_hits"),
             ("moetide_preemptions", "Sequences preempted (KV freed, recomputed later)", "preemptions"),
         )
         for name, doc, key in counters:
