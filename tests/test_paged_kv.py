@@ -196,3 +196,25 @@ def test_a_prompt_beyond_the_kv_pool_is_refused_in_one_line(long_checkpoints):
         assert llm.generate([_prompt(50, 1)], _greedy(14))[0].finish_reason == "length"  # 64 tokens fit
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("mixtral", {"sliding_window": 8}),  # every layer slides
+        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),  # mixed
+    ],
+)
+def test_sliding_window_layers_see_the_window_only(tmp_path, family, overrides):
+    """The engine's own 4D mask applies the config's window (one mask, or one per layer kind) as
+    transformers' mask functions would: greedy tokens equal `generate` past the window."""
+    reference = save_tiny_model(family, tmp_path, **overrides)
+    if family == "qwen2_moe":
+        assert set(reference.config.layer_types) == {"full_attention", "sliding_attention"}
+    requests = [(_prompt(30, 5), 12), (_prompt(4, 6), 12)]
+    llm = moetide.LLM(tmp_path, device="cpu")
+    try:
+        got = _run_checking_blocks(llm.engine, requests)
+    finally:
+        llm.close()
+    assert got == [_reference(reference, prompt, n) for prompt, n in requests]
