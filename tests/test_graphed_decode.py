@@ -256,6 +256,59 @@ def test_float32_captures_every_row_count():
         llm.close()
 
 
+def _staggered(llm, graphs) -> list[list[int]]:
+    """Three greedy requests of equal length, each joining two steps after the one before, and a
+    fourth once the first has left: batches of 1, 2, 3 rows, then 3 rows of other sequences."""
+    engine = llm.engine
+    engine.runner.graphs = graphs
+    params = [moetide.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 12, 12, 8)]
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(4)]
+    seqs = []
+    for step in range(40):
+        if step in (0, 2, 4) or (step > 4 and len(seqs) == 3 and seqs[0].finished):
+            seqs.append(engine.add_request(prompts[len(seqs)], params[len(seqs)]))
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    engine.runner.graphs = None
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.gpu
+def test_rows_joining_and_leaving_replay_the_graph_of_their_batch_shape():
+    """float32 on CUDA: rows join and leave; the KV never moves, so a batch of the same size and
+    table width (other sequences, other blocks) replays the graph captured for that shape, with
+    the tokens of the eager path."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = moetide.LLM(device="cuda", policy="no-offload", dtype="float32", cuda_graphs="off")
+    try:
+        want = _staggered(llm, None)
+        graphs = _decoder(llm, capture=True, column_bucket=64)  # every table here fits 4 blocks
+        got = _staggered(llm, graphs)
+        assert got == want and graphs.failed is None
+        assert len(want) == 4 and set(graphs.rows_entered) == {1, 2, 3}
+        assert graphs.captures == 3 and graphs.replays == graphs.entries  # one graph per row count
+    finally:
+        llm.close()
+
+
+def test_rows_joining_and_leaving_decode_from_fixed_buffers_as_eagerly():
+    """The same schedule on the CPU, without capture: the buffers of a shape are reused by other
+    sequences (one allocation per row count) and give the eager tokens."""
+    llm = moetide.LLM(device="cpu", policy="no-offload", dtype="float32")
+    try:
+        want = _staggered(llm, None)
+        graphs = _decoder(llm, capture=False, column_bucket=64)
+        got = _staggered(llm, graphs)
+    finally:
+        llm.close()
+    assert got == want and len(want) == 4
+    assert set(graphs.rows_entered) == {1, 2, 3} and graphs.allocations == 3
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "deepseek_v2"])
 def test_every_family_decodes_from_fixed_buffers_as_eagerly(tiny_checkpoints, family):
     """Each supported family's attention (GQA, shared experts, MLA with its compressed latent)
