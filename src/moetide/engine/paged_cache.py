@@ -104,6 +104,13 @@ class PagedKVCache(Cache):
         self.values[layer_idx] = value_states.new_zeros(slots, value_states.shape[1], value_states.shape[-1])
         self.generation += 1
 
+    def release(self) -> None:
+        """Free the pools (the engine is closed); a later forward would allocate them again."""
+        self.keys.clear()
+        self.values.clear()
+        self.capacity = 1 if self.grow else self.num_blocks + 1
+        self.generation += 1
+
     @property
     def nbytes(self) -> int:
         """Bytes the pools hold now."""

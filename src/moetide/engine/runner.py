@@ -94,8 +94,10 @@ class ModelRunner:
         return self.graphs.stats() if self.graphs is not None else None
 
     def close(self) -> None:
+        """Let go of the graphs and the KV pools (on CUDA the whole reservation is allocated)."""
         if self.graphs is not None:
             self.graphs.close()
+        self.kv.release()
 
     def _in_step(self, tokens: int, forward, *args):
         """`forward(*args)` as one step of `tokens` tokens of the runtime (between `begin_step` and
