@@ -146,6 +146,28 @@ def test_preempted_sequences_recompute_and_give_the_same_tokens(long_checkpoints
     assert got == [_reference(reference, prompt, n) for prompt, n in requests]
 
 
+def test_preemption_leaves_seeded_sampling_unchanged(long_checkpoints):
+    """Sampled (temperature 0.9, a seed per request): each sequence's own generator carries on
+    where it was, so a small pool that preempts gives the tokens of a pool that never does."""
+    path, _ = long_checkpoints["qwen3_moe"]
+    prompts = [_prompt(12 + 3 * i, 80 + i) for i in range(4)]
+    runs = {}
+    for pool in (None, 8 * 16):
+        llm = moetide.LLM(path, device="cpu", **({"kv_cache_tokens": pool} if pool else {}))
+        try:
+            params = [
+                moetide.SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(4)
+            ]
+            seqs = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+            runs[pool] = ([s.output_ids for s in seqs], llm.engine.scheduler.preemptions)
+        finally:
+            llm.close()
+    assert runs[None][1] == 0 and runs[8 * 16][1] >= 1
+    assert runs[8 * 16][0] == runs[None][0]
+
+
 def test_demo_model_mixed_lengths_with_preemption_give_transformers_greedy_tokens():
     """The demo model (float32): a 520-token prompt prefilled in two chunks beside shorter ones,
     in a pool too small for all of them: preemptions, and every output is transformers' alone."""
