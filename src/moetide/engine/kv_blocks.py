@@ -1,8 +1,8 @@
 """KV blocks on the host: which pool blocks hold each sequence's tokens, and the prefix cache.
 
 The device pool (engine/paged_cache.py) has `num_blocks + 1` blocks of `block_size` token slots
-per layer. Block 0 is the pad block: padded positions write there and unused block-table entries
-point at it; it is never handed out. A sequence's block table lists its blocks in token order:
+per layer. Block 0 is the pad block: unused block-table entries point at it (its columns are
+always masked); it is never handed out. A sequence's block table lists its blocks in token order:
 token `p` lives in slot `table[p // block_size] * block_size + p % block_size`.
 
 A block is in one of three states:
