@@ -99,7 +99,9 @@ class GraphedDecoder:
         capture: record a CUDA graph per (rows, width) and replay it; False runs the same
             fixed-buffer step eagerly (CPU tests).
         column_bucket: a state's width is the batch's widest table rounded up to this many tokens.
-        max_states: shapes kept (buffers and graph) at most, least recently used dropped first.
+        max_states: shapes kept (buffers and graph) at most, least recently used dropped first. The
+            graphs share one memory pool (they are replayed one at a time and each step's logits
+            are copied out), so more shapes cost their buffers, not more activation memory.
         compile_step: run the step through `torch.compile` (once per shape) before capturing it.
     """
 
@@ -112,7 +114,7 @@ class GraphedDecoder:
         *,
         capture: bool,
         column_bucket: int = 256,
-        max_states: int = 8,
+        max_states: int = 32,
         compile_step: bool = False,
     ):
         from .runner import mask_for
@@ -139,6 +141,7 @@ class GraphedDecoder:
         self.max_states = max_states
         self.hooks_at_start = count_forward_hooks(model)
         self.states: OrderedDict[tuple[int, int], PagedDecodeState] = OrderedDict()
+        self.graph_pool = None  # the memory pool every captured graph allocates from
         self.rows_entered: Counter[int] = Counter()  # batch rows -> decode steps run from buffers
         self.allocations = 0  # buffers allocated (one per shape while kept)
         self.captures = 0  # graphs recorded (each costs two eager steps and a capture)
@@ -153,6 +156,7 @@ class GraphedDecoder:
     def close(self) -> None:
         """Let go of every kept buffer and graph."""
         self.states.clear()
+        self.graph_pool = None
 
     def stats(self) -> dict:
         """What this decoder did (bench JSON)."""
@@ -230,7 +234,9 @@ class GraphedDecoder:
                 state.step(self.forward, self.kv, self.mask_for)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), sdpa_kernel(self.sdpa_backends):
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.graph_pool), sdpa_kernel(self.sdpa_backends):
             state.step(self.forward, self.kv, self.mask_for)
         state.graph = graph
         state.generation = self.kv.generation
