@@ -1,6 +1,6 @@
-"""Decode from fixed KV buffers (engine/graphed_decode.py): the static-KV step computes what the
-dynamic path computes, through rows joining and leaving and the columns running out; on CUDA the
-same step captured as a CUDA graph and replayed does too."""
+"""Decode from fixed buffers over the paged KV cache (engine/graphed_decode.py): the fixed-buffer
+step computes what the eager step computes, through rows joining and leaving and the block tables
+outgrowing their bucket; on CUDA the same step captured as a CUDA graph and replayed does too."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ PROMPTS = ["def add(a, b):", "Tell me a story about a cat who", "Bonjour"]
 def _decoder(llm, *, capture: bool, column_bucket: int, compile_step: bool = False) -> GraphedDecoder:
     return GraphedDecoder(
         llm.loaded.model,
+        llm.engine.runner.kv,
         llm.loaded.runtime.decode_is_sync_free,
         ENGINE_SDPA_BACKENDS,
         capture=capture,
-        kv_cache_tokens=llm.engine.kv_cache_tokens,
         column_bucket=column_bucket,
         compile_step=compile_step,
     )
@@ -29,19 +29,31 @@ def _decoder(llm, *, capture: bool, column_bucket: int, compile_step: bool = Fal
 
 def _teacher_forced_logits(llm, graphs, steps: int) -> list[torch.Tensor]:
     """Prefill PROMPTS together, then decode `steps` steps feeding fixed tokens; logits per step."""
-    runner = llm.engine.runner
+    engine, runner = llm.engine, llm.engine.runner
     runner.graphs = graphs
-    seqs = [llm.engine.add_request(llm.tokenizer.encode(p), moetide.SamplingParams(max_tokens=4)) for p in PROMPTS]
-    llm.engine.waiting.clear()
-    batch, logits = runner.prefill(seqs)
-    tokens = logits.argmax(-1)
+    params = moetide.SamplingParams(max_tokens=64)
+    seqs = [engine.add_request(llm.tokenizer.encode(p), params) for p in PROMPTS]
+    scheduled = engine.scheduler.schedule()  # admits all three: one packed prefill
+    assert [s for s, _ in scheduled.prefill] == seqs
+    runner.kv.reserve(engine.blocks.high_water)
+    logits = runner.prefill(scheduled.prefill)
+    for seq, n in scheduled.prefill:
+        engine.scheduler.computed(seq, n)
+    tokens = logits.argmax(-1).tolist()
     out = []
     for i in range(steps):
-        logits = runner.decode(batch, (tokens + 7 * i) % logits.shape[-1])
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.output_ids.append((token + 7 * i) % logits.shape[-1])
+            assert engine.blocks.append_slot(seq.block_table, seq.num_tokens)
+        runner.kv.reserve(engine.blocks.high_water)
+        logits = runner.decode(seqs)
+        for seq in seqs:
+            engine.scheduler.computed(seq, 1)
         out.append(logits.float().cpu())
-    batch.ensure_dynamic()
-    assert batch.seq_len == batch.mask.shape[1] and batch.cache.layers[0].keys.shape[-2] == batch.seq_len
-    batch.close()
+    for seq in seqs:
+        seq.finish("abort")
+    engine.scheduler.drop_finished()
+    assert engine.blocks.num_used == 0
     runner.graphs = None
     return out
 
@@ -54,10 +66,10 @@ def _assert_steps_close(got, want, *, atol: float, rtol: float, label: str = "")
         torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=message)
 
 
-CPU_TOL = {"atol": 2e-4, "rtol": 1e-4}  # float32 on the CPU: static and dynamic KV agree this closely
+CPU_TOL = {"atol": 2e-4, "rtol": 1e-4}  # float32 on the CPU: fixed-buffer and eager steps agree this closely
 
 
-def test_the_static_kv_step_computes_the_dynamic_steps_logits_through_column_growth():
+def test_the_fixed_buffer_step_computes_the_eager_steps_logits_through_table_growth():
     llm = moetide.LLM(device="cpu", policy="no-offload")
     try:
         want = _teacher_forced_logits(llm, None, 12)
@@ -65,7 +77,8 @@ def test_the_static_kv_step_computes_the_dynamic_steps_logits_through_column_gro
         got = _teacher_forced_logits(llm, graphs, 12)
     finally:
         llm.close()
-    assert graphs.entries >= 2  # the columns ran out at least once: back to dynamic, then static again
+    assert graphs.entries == 12
+    assert graphs.allocations >= 2  # the tables outgrew their bucket: buffers of the next width
     _assert_steps_close(got, want, **CPU_TOL)
 
 
@@ -78,7 +91,7 @@ def test_a_later_batch_of_the_same_shape_reuses_the_buffers_and_computes_the_sam
         again = _teacher_forced_logits(llm, graphs, 6)
     finally:
         llm.close()
-    assert graphs.entries == 2 and graphs.allocations == 1
+    assert graphs.entries == 12 and graphs.allocations == 1
     _assert_steps_close(first, want, **CPU_TOL)
     _assert_steps_close(again, want, **CPU_TOL, label="reused, ")
 
@@ -94,8 +107,8 @@ def _generate(llm, graphs):
 
 
 def test_continuous_batching_from_fixed_buffers_gives_the_same_tokens():
-    """Rows leave at different steps (max_tokens 5/19/11): each change of rows moves the KV back to
-    the dynamic cache, and the next step moves it into new buffers."""
+    """Rows leave at different steps (max_tokens 5/19/11): each batch size gets buffers of its own,
+    and the rows' block tables are rewritten into them every step."""
     llm = moetide.LLM(device="cpu", policy="no-offload")
     try:
         want = _generate(llm, None)
@@ -104,7 +117,7 @@ def test_continuous_batching_from_fixed_buffers_gives_the_same_tokens():
     finally:
         llm.close()
     assert got == want
-    assert graphs.entries >= 3
+    assert set(graphs.rows_entered) == {3, 2, 1}
 
 
 def test_dynamic_policies_decode_from_fixed_buffers_and_stall_never_does():
@@ -243,20 +256,71 @@ def test_float32_captures_every_row_count():
         llm.close()
 
 
+def _staggered(llm, graphs) -> list[list[int]]:
+    """Three greedy requests of equal length, each joining two steps after the one before, and a
+    fourth once the first has left: batches of 1, 2, 3 rows, then 3 rows of other sequences."""
+    engine = llm.engine
+    engine.runner.graphs = graphs
+    params = [moetide.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 12, 12, 8)]
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(4)]
+    seqs = []
+    for step in range(40):
+        if step in (0, 2, 4) or (step > 4 and len(seqs) == 3 and seqs[0].finished):
+            seqs.append(engine.add_request(prompts[len(seqs)], params[len(seqs)]))
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    engine.runner.graphs = None
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.gpu
+def test_rows_joining_and_leaving_replay_the_graph_of_their_batch_shape():
+    """float32 on CUDA: rows join and leave; the KV never moves, so a batch of the same size and
+    table width (other sequences, other blocks) replays the graph captured for that shape, with
+    the tokens of the eager path."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = moetide.LLM(device="cuda", policy="no-offload", dtype="float32", cuda_graphs="off")
+    try:
+        want = _staggered(llm, None)
+        graphs = _decoder(llm, capture=True, column_bucket=64)  # every table here fits 4 blocks
+        got = _staggered(llm, graphs)
+        assert got == want and graphs.failed is None
+        assert len(want) == 4 and set(graphs.rows_entered) == {1, 2, 3}
+        assert graphs.captures == 3 and graphs.replays == graphs.entries  # one graph per row count
+    finally:
+        llm.close()
+
+
+def test_rows_joining_and_leaving_decode_from_fixed_buffers_as_eagerly():
+    """The same schedule on the CPU, without capture: the buffers of a shape are reused by other
+    sequences (one allocation per row count) and give the eager tokens."""
+    llm = moetide.LLM(device="cpu", policy="no-offload", dtype="float32")
+    try:
+        want = _staggered(llm, None)
+        graphs = _decoder(llm, capture=False, column_bucket=64)
+        got = _staggered(llm, graphs)
+    finally:
+        llm.close()
+    assert got == want and len(want) == 4
+    assert set(graphs.rows_entered) == {1, 2, 3} and graphs.allocations == 3
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "deepseek_v2"])
-def test_every_family_decodes_from_fixed_buffers_as_from_the_dynamic_cache(tiny_checkpoints, family):
-    """Each supported family's attention (GQA, shared experts, MLA with its own key/value widths)
-    reads and writes the fixed buffers as it does the dynamic cache: same greedy tokens, rows
-    leaving at different steps and the columns running out on the way."""
+def test_every_family_decodes_from_fixed_buffers_as_eagerly(tiny_checkpoints, family):
+    """Each supported family's attention (GQA, shared experts, MLA with its compressed latent)
+    reads and writes the paged pool from fixed buffers as it does eagerly: same greedy tokens, rows
+    leaving at different steps and the tables outgrowing their bucket on the way."""
     path, _ = tiny_checkpoints[family]
     llm = moetide.LLM(str(path), device="cpu", policy="no-offload", dtype="float32")
     try:
         graphs = _decoder(llm, capture=False, column_bucket=8)
-        if not graphs.cacheable:
-            pytest.skip(f"{family}: transformers builds no plain static cache for this config")
         prompts = [[3, 5, 7, 9, 11], [4, 6], [8, 10, 12, 14, 16, 18, 20]]
         runs = {}
-        for name, decoder in (("dynamic", None), ("static", graphs)):
+        for name, decoder in (("eager", None), ("fixed", graphs)):
             llm.engine.runner.graphs = decoder
             params = [moetide.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 13, 9)]
             seqs = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -266,7 +330,7 @@ def test_every_family_decodes_from_fixed_buffers_as_from_the_dynamic_cache(tiny_
         llm.engine.runner.graphs = None
     finally:
         llm.close()
-    assert runs["static"] == runs["dynamic"]
+    assert runs["fixed"] == runs["eager"]
     assert graphs.entries >= 3
 
 

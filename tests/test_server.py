@@ -25,6 +25,7 @@ import uvicorn
 
 from moetide.config import EngineConfig
 from moetide.engine.llm import build_engine
+from moetide.engine.sampling import SamplingParams
 from moetide.serve import AsyncEngine, create_app
 from moetide.serve.http import read_timeout_protocol
 
@@ -129,12 +130,12 @@ class SlowRunner:
         self.fail_when_queued = False  # raise once, on the first decode while a request waits
         engine.runner.decode = self  # this instance only; the class is untouched
 
-    def __call__(self, batch, last_tokens):
+    def __call__(self, seqs):
         time.sleep(0.02)
         if self.fail_when_queued and self.engine.waiting:
             self.fail_when_queued = False
             raise RuntimeError("injected decode failure")
-        return self.decode(batch, last_tokens)
+        return self.decode(seqs)
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +283,34 @@ def test_metrics_expose_the_listed_series(server):
     # the CPU engine reads every expert in place: all of them are resident in hi, and each use is a hit
     layers, experts = len(server.engine.engine.runner.model.model.layers), 8
     assert server.metric('moetide_resident_experts{precision="hi"}') == layers * experts
+
+
+def test_metrics_count_prefix_cache_hits_and_kv_blocks(server, qwen3_checkpoint):
+    """Two requests sharing a 40-token prefix: the second finds its two full blocks (32 tokens) in
+    the prefix cache, and /metrics says so; both get what they get alone without the cache."""
+    still_serves(server)
+    prefix = [(7 * i) % 80 + 10 for i in range(40)]
+    total = server.engine.engine.blocks.num_blocks
+    wait_for(lambda: server.metric("moetide_kv_blocks_total") == total, what="KV metrics refresh")
+    hits, queries = "moetide_prefix_cache_hits_total", "moetide_prefix_cache_queries_total"
+    before = server.metric(hits), server.metric(queries)
+    client = server.client()
+    texts = [
+        client.completions.create(model=MODEL, prompt=prefix + tail, **greedy(5)).choices[0].text
+        for tail in ([11, 12, 13], [14, 15])
+    ]
+    wait_for(lambda: server.metric(hits) >= before[0] + 32, what="prefix hits")
+    assert server.metric(queries) >= before[1] + 2 * 40 + 5
+    wait_for(lambda: server.metric("moetide_kv_blocks_used") == 0, what="blocks freed")  # nothing runs
+    # the same prompts on an engine without the cache
+    config = EngineConfig(model=str(qwen3_checkpoint), device="cpu", prefix_caching=False)
+    _, engine, _ = build_engine(config, progress=False)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(prefix + tail, params) for tail in ([11, 12, 13], [14, 15])]
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.text for s in seqs] == texts
+    assert engine.kv_stats()["prefix_cache_hits"] == 0
 
 
 def test_streamed_prefixes_never_change_with_the_demo_tokenizer():

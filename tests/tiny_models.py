@@ -44,10 +44,10 @@ FAMILY_KWARGS = {
 FAMILIES = tuple(FAMILY_KWARGS)
 
 
-def make_config(model_type: str):
+def make_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
-    kw = {**BASE, **FAMILY_KWARGS[model_type]}
+    kw = {**BASE, **FAMILY_KWARGS[model_type], **overrides}
     cfg = AutoConfig.for_model(model_type, **kw)
     cfg.eos_token_id = 1
     cfg.bos_token_id = 0
@@ -62,12 +62,14 @@ def save_tiny_model(
     seed: int = 0,
     with_tokenizer: bool = True,
     max_shard_size: str | None = None,
+    **overrides,
 ):
-    """Random `model_type` model saved at `path`; returns the transformers model (fp32, eval)."""
+    """Random `model_type` model saved at `path` (`overrides`: config fields); returns the
+    transformers model (fp32, eval)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(model_type), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(make_config(model_type, **overrides), dtype=torch.float32).eval()
     # Routers init to zeros in some families: give them real, skewed weights so routing matters.
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -113,6 +113,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     add_step_args(p)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not reuse the KV blocks of a request's longest cached prefix (default: reuse them)",
+    )
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
@@ -170,6 +176,7 @@ def engine_config_from_args(args) -> EngineConfig:
         prefetch_distance=args.prefetch_distance,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        prefix_caching=getattr(args, "prefix_caching", True),
         **precision_options_from_args(args),
     )
     if args.gpu_memory is None:

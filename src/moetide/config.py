@@ -84,7 +84,9 @@ class EngineConfig:
         prefetch_distance: FineMoE's d, in layers.
         max_num_seqs: sequences decoded together at most.
         max_model_len: context length cap (prompt + output), in tokens; None = model's limit.
-        kv_cache_tokens: tokens of KV cache reserved inside the budget; None = derived.
+        kv_cache_tokens: tokens of KV cache reserved inside the budget; None = derived. The paged
+            KV cache holds kv_cache_tokens // 16 blocks of 16 tokens.
+        prefix_caching: reuse the KV blocks of a request's longest cached prefix (full blocks).
         seed: seed for sampling when a request gives none.
         hi_precision: what "hi" means for dynaexq/combined: "hi" (the checkpoint's precision) or a
             low-bit format with more bytes than `lo_precision` (e.g. "int4" hot over "int2+4" or
@@ -132,6 +134,7 @@ class EngineConfig:
     host_versions: tuple[str, ...] | None = None
     lo_kernel: str = "auto"
     cuda_graphs: str = "auto"
+    prefix_caching: bool = True
     compile: str = "off"
     deterministic: bool = False
     searcher: str = "process"

@@ -234,6 +234,7 @@ def _moetide_result(config: EngineConfig, loaded, engine, load_s: float) -> dict
             "moe_kernel": "fused" if loaded.runtime.fused is not None else "reference",
         },
         "cuda_graph_stats": engine.runner.graph_stats(),
+        "kv_cache": engine.kv_stats(),  # blocks, prefix-cache tokens queried/hit, preemptions
         "plan": plan.describe() if plan is not None else None,
         "hi_slots": plan.hi_slots if plan is not None else None,
         "lo_slots": plan.lo_slots if plan is not None else None,
@@ -458,6 +459,7 @@ def bench_moetide(
         "resident": llm.loaded.runtime.residency.resident_counts(),
         "plan": getattr(getattr(llm.loaded.runtime.residency, "plan", None), "describe", lambda: None)(),
         "cuda_graphs": llm.engine.runner.graph_stats(),
+        "kv_cache": llm.engine.kv_stats(),
     }
     llm.close()
     del llm

@@ -10,9 +10,11 @@ from ..config import EngineConfig, format_bytes
 from ..errors import ConfigError
 from ..models.checkpoint import inspect_checkpoint, load_tokenizer
 from ..models.loader import LoadedModel, resolve_device
-from ..residency import MAX_PREFILL_TOKENS
+from ..residency import KV_BLOCK_SIZE, MAX_PREFILL_TOKENS, kv_pool_blocks
 from .assemble import load_model
-from .llm_engine import LLMEngine
+from .kv_blocks import BlockAllocator
+from .llm_engine import PREFILL_CHUNK_TOKENS, LLMEngine
+from .paged_cache import PagedKVCache
 from .memory import resolve_budget
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -182,21 +184,42 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
         elif source:
             eos.update(int(x) for x in source)
     kv_tokens = kv_cache_tokens(config, loaded)
+    blocks, kv = paged_kv(config, loaded, kv_tokens, max_model_len)
     engine = LLMEngine(
         ModelRunner(
-            loaded.model, loaded.device, graphs=graphed_decoder(config, loaded, kv_tokens), runtime=loaded.runtime
+            loaded.model,
+            loaded.device,
+            kv,
+            graphs=graphed_decoder(config, loaded, kv),
+            runtime=loaded.runtime,
         ),
         tokenizer,
         eos,
+        blocks,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
         kv_cache_tokens=kv_tokens,
-        max_prefill_tokens=MAX_PREFILL_TOKENS,
+        prefill_chunk_tokens=min(PREFILL_CHUNK_TOKENS, MAX_PREFILL_TOKENS),
     )
     return loaded, engine, tokenizer
 
 
-def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv_tokens: int | None):
+def paged_kv(
+    config: EngineConfig, loaded: LoadedModel, kv_tokens: int | None, max_model_len: int
+) -> tuple[BlockAllocator, PagedKVCache]:
+    """The paged KV cache: as many blocks as the memory plan's KV reservation holds (its pad block
+    is reserved on top), or, with no plan (the CPU without a budget), `max_num_seqs` full-length
+    sequences' worth, allocated as it is first used."""
+    tokens = kv_tokens if kv_tokens is not None else config.max_num_seqs * max_model_len
+    num_blocks = kv_pool_blocks(tokens)
+    grow = loaded.device.type == "cpu"
+    return (
+        BlockAllocator(num_blocks, block_size=KV_BLOCK_SIZE, prefix_caching=config.prefix_caching),
+        PagedKVCache(num_blocks, KV_BLOCK_SIZE, loaded.device, grow=grow),
+    )
+
+
+def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv: PagedKVCache):
     """CUDA-graph decode (engine/graphed_decode.py) on a CUDA device unless `cuda_graphs` is "off";
     it captures only steps whose experts need no host decision, so every policy can have one."""
     from .graphed_decode import GraphedDecoder
@@ -206,10 +229,10 @@ def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv_tokens: int | 
         return None
     return GraphedDecoder(
         loaded.model,
+        kv,
         loaded.runtime.decode_is_sync_free,
         ENGINE_SDPA_BACKENDS,
         capture=True,
-        kv_cache_tokens=kv_tokens,
         compile_step=config.compile == "auto",
     )
 

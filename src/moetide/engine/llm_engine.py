@@ -1,22 +1,27 @@
 """The engine loop: `schedule -> run -> postprocess`, one call to `step()` at a time.
 
-Requests wait in a FIFO queue and join the running batch between steps when a batch slot and
-their KV-cache reservation (prompt + max_tokens tokens) fit; finished ones leave. Each step
-prefills at most one admitted group of new sequences, then decodes every running sequence.
+Requests wait in a FIFO queue; the scheduler (engine/scheduler.py) admits them when a batch slot
+and the KV blocks of their prompt are free (paged KV cache: engine/kv_blocks.py on the host,
+engine/paged_cache.py on the device), prefills long prompts in chunks interleaved with the
+running decodes, and preempts the youngest sequence when blocks run out. Each step runs at most
+one decode forward (every decoding sequence) and one packed prefill forward.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import ConfigError
-from .runner import BatchKVCache, ModelRunner
+from .kv_blocks import BlockAllocator
+from .runner import ModelRunner
 from .sampling import SamplingParams, sample_next_tokens
-from .sequence import Sequence, SequenceStatus
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+PREFILL_CHUNK_TOKENS = 512  # prompt tokens prefilled per step at most
 
 
 @dataclass
@@ -29,16 +34,17 @@ class StepOutput:
 
 
 class LLMEngine:
-    """Continuous batching over a `ModelRunner`.
+    """Continuous batching over a `ModelRunner` and a paged KV cache.
 
     Args:
-        runner: device work.
+        runner: device work (it holds the paged KV cache's pools).
         tokenizer: for stop strings and output text.
         eos_token_ids: ids that end a sequence (unless `ignore_eos`).
+        blocks: the KV pool's block allocator (its size comes from the memory plan).
         max_num_seqs: rows decoded together at most.
         max_model_len: prompt + output tokens at most per sequence.
-        kv_cache_tokens: total tokens the KV reservation holds (rows are padded to a common length,
-            so admission counts `rows * longest row`); None = no limit.
+        kv_cache_tokens: the KV reservation of the memory plan (tokens), for reports; None = none given.
+        prefill_chunk_tokens: prompt tokens prefilled per step at most.
     """
 
     def __init__(
@@ -46,24 +52,41 @@ class LLMEngine:
         runner: ModelRunner,
         tokenizer,
         eos_token_ids: set[int],
+        blocks: BlockAllocator,
         *,
         max_num_seqs: int = 32,
         max_model_len: int = 2048,
         kv_cache_tokens: int | None = None,
-        max_prefill_tokens: int = 4096,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
-        self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.batch: BatchKVCache | None = None
-        self._last_tokens: torch.Tensor | None = None  # (B,) on device
+        self.scheduler = Scheduler(
+            blocks, max_num_seqs=max_num_seqs, prefill_chunk_tokens=prefill_chunk_tokens
+        )
         self.steps = 0
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds: what one sequence (prompt + output) may use at most."""
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    def kv_stats(self) -> dict[str, int]:
+        """KV blocks in use / in all, prefix-cache tokens queried / hit, preemptions."""
+        return {**self.blocks.stats(), "preemptions": self.scheduler.preemptions}
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -75,12 +98,20 @@ class LLMEngine:
             raise ConfigError(
                 f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} (prompt + output)"
             )
+        need = min(self.max_model_len, len(prompt_ids) + params.max_tokens)
+        if need > self.kv_capacity_tokens:
+            what = "the prompt" if len(prompt_ids) >= self.kv_capacity_tokens else "prompt + max_tokens"
+            raise ConfigError(
+                f"{what} needs {self.blocks.blocks_for(need)} KV blocks of {self.blocks.block_size} tokens;"
+                f" the KV pool holds {self.blocks.num_blocks} ({self.kv_capacity_tokens} tokens):"
+                " lower max_tokens, shorten the prompt or give the KV cache more memory"
+            )
         seq = Sequence(list(prompt_ids), params, **({"request_id": request_id} if request_id else {}))
         self.waiting.append(seq)
         return seq
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is; its KV rows are freed at the next step."""
+        """Stop a request wherever it is; its KV blocks are freed at the next step."""
         for seq in list(self.waiting):
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
@@ -93,50 +124,19 @@ class LLMEngine:
         return False
 
     def fail_running(self, reason: str = "error") -> list[Sequence]:
-        """Finish every running sequence and drop the batch; waiting requests stay queued.
+        """Finish every running sequence and free its blocks; waiting requests stay queued.
 
-        Recovery after `step()` raised: the batch's KV cache may be half-updated, so no running row
-        can be trusted. Sequences admitted by the failed step are in neither list; the caller owns them.
+        Recovery after `step()` raised: the running sequences' KV may be half-written, so none can
+        be trusted (blocks hashed before the failed step hold complete KV and stay cached).
         """
         failed = [s for s in self.running if not s.finished]
         for seq in failed:
             seq.finish(reason)
-        self.running = []
-        if self.batch is not None:
-            self.batch.close()
-        self.batch, self._last_tokens = None, None
+        self.scheduler.drop_finished()
         return failed
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def _budget_tokens(self, seq: Sequence) -> int:
-        return min(self.max_model_len, len(seq.prompt_ids) + seq.params.max_tokens)
-
-    # -- schedule ------------------------------------------------------------------------------------
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        prefill_tokens = 0
-        rows = len(self.running)
-        longest = max((self._budget_tokens(s) for s in self.running), default=0)
-        while self.waiting and rows < self.max_num_seqs:
-            seq = self.waiting[0]
-            need = self._budget_tokens(seq)
-            new_longest = max(longest, need)
-            if self.kv_cache_tokens is not None and (rows + 1) * new_longest > self.kv_cache_tokens:
-                if rows == 0:  # even alone it cannot fit: fail it rather than wait forever
-                    self.waiting.popleft()
-                    seq.finish("length")
-                    continue
-                break
-            if admitted and prefill_tokens + len(seq.prompt_ids) > self.max_prefill_tokens:
-                break
-            self.waiting.popleft()
-            admitted.append(seq)
-            prefill_tokens += len(seq.prompt_ids)
-            rows += 1
-            longest = new_longest
-        return admitted
 
     # -- postprocess ---------------------------------------------------------------------------------
     def _append_token(self, seq: Sequence, token: int, now: float) -> bool:
@@ -170,29 +170,30 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """schedule -> run -> postprocess. Returns the tokens each sequence gained this step.
 
-        Running rows decode one token; then newly admitted sequences are prefilled (their first
-        token comes from the prefill) and merged into the batch for the next step.
+        The decoding sequences decode one token; then the scheduled prefill chunks run in one
+        forward, and each sequence whose prompt (or, after a preemption, prompt + output) is then
+        complete samples its next token from it.
         """
         self.steps += 1
         outputs: list[StepOutput] = []
-        self._drop_finished()
-        if self.running:
-            logits = self.runner.decode(self.batch, self._last_tokens)
-            self._last_tokens = self._sample(self.running, logits)
-            outputs += self._postprocess(self.running, self._last_tokens)
-        admitted = self._admit()
-        if admitted:
-            cache, logits = self.runner.prefill(admitted)
-            tokens = self._sample(admitted, logits)
-            if self.batch is None:
-                self.batch, self._last_tokens = cache, tokens
-            else:
-                self.batch.merge(cache)
-                self._last_tokens = torch.cat([self._last_tokens, tokens])
-            for seq in admitted:
-                seq.status = SequenceStatus.RUNNING
-            self.running.extend(admitted)
-            outputs += self._postprocess(admitted, tokens)
+        self.scheduler.drop_finished()
+        scheduled = self.scheduler.schedule()
+        self.runner.kv.reserve(self.blocks.high_water)
+        if scheduled.decode:
+            logits = self.runner.decode(scheduled.decode)
+            for seq in scheduled.decode:
+                self.scheduler.computed(seq, 1)
+            outputs += self._postprocess(scheduled.decode, self._sample(scheduled.decode, logits))
+        if scheduled.prefill:
+            logits = self.runner.prefill(scheduled.prefill)
+            for seq, n in scheduled.prefill:
+                self.scheduler.computed(seq, n)
+            ready = [i for i, (seq, _) in enumerate(scheduled.prefill) if seq.pending_tokens == 0]
+            if ready:
+                seqs = [scheduled.prefill[i][0] for i in ready]
+                rows = logits if len(ready) == len(scheduled.prefill) else logits[ready]
+                outputs += self._postprocess(seqs, self._sample(seqs, rows))
+        self.scheduler.drop_finished()  # their blocks are free for the next step's admissions
         if not self.has_unfinished():  # idle: the last steps' observations reach metrics and policies
             self.runner.flush()
         return outputs
@@ -208,8 +209,8 @@ class LLMEngine:
     def _postprocess(self, seqs: list[Sequence], tokens: torch.Tensor) -> list[StepOutput]:
         now = time.perf_counter()
         out = []
-        for seq, tok in zip(seqs, tokens.tolist(), strict=True):  # NOTE: host sync, once per step
-            if seq.finished:  # aborted or failed while in flight: its row leaves at the next step
+        for seq, tok in zip(seqs, tokens.tolist(), strict=True):  # NOTE: host sync, once per forward
+            if seq.finished:  # aborted or failed while in flight: its blocks are freed at the next step
                 continue
             before = len(seq.output_ids)
             try:
@@ -219,20 +220,6 @@ class LLMEngine:
                 done = True
             out.append(StepOutput(seq, seq.output_ids[before:], done))
         return out
-
-    def _drop_finished(self) -> None:
-        keep = [i for i, s in enumerate(self.running) if not s.finished]
-        if len(keep) == len(self.running):
-            return
-        self.running = [self.running[i] for i in keep]
-        if not keep:
-            self.batch.close()
-            self.batch, self._last_tokens = None, None
-            return
-        self.batch.keep_rows(keep)
-        self._last_tokens = self._last_tokens.index_select(
-            0, torch.tensor(keep, device=self._last_tokens.device)
-        )
 
 
 def _fail(seq: Sequence, stage: str, exc: Exception) -> None:

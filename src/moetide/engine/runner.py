@@ -1,20 +1,29 @@
-"""All device work of the engine: prefill, decode and the batch's KV cache.
+"""All device work of the engine: prefill chunks and decode steps over the paged KV cache.
 
-The running batch keeps one transformers `DynamicCache` whose rows are left-padded to a common
-length S, and a mask `(B, S)` (1 = real token). New sequences are prefilled on their own (in chunks
-when long) and then merged in by left-padding whichever side is shorter; finished rows are dropped
-with `index_select`, and columns that became padding in every row are trimmed. Position ids count
-real tokens only, so a sequence computes the same logits whatever it is batched with.
+Sequences keep their KV in the blocks of one pool per layer (engine/paged_cache.py); the host
+knows each sequence's block table (engine/kv_blocks.py) and describes every forward with a few
+small int64 tensors, copied to the device once per forward:
 
-Shapes: B rows, S cache length, V vocabulary.
+    prefill (packed)  input_ids (1, T): the chunks of n sequences one after another; positions
+                      (1, T); slot_mapping (T,); block_tables (1, ΣW): the sequences' tables
+                      concatenated; the mask (1, 1, T, ΣW*bs) keeps each query to its own
+                      sequence's columns at positions <= its own. Logits of each chunk's last token.
+    decode            input_ids (B, 1): each row's last token; positions (B, 1); slot_mapping
+                      (B,); block_tables (B, W), padded with the pad block; mask (B, 1, 1, W*bs).
+
+Position ids count the sequence's own tokens only, so a sequence computes the same logits
+whatever it is batched with. Shapes: B rows, T tokens, W blocks per row, bs block size, V vocabulary.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .paged_cache import PagedKVCache, attention_mask, sliding_window
 from .sequence import Sequence
 
 # Attention backends the engine's forwards may use: every one but cuDNN's. cuDNN attention builds an
@@ -24,121 +33,71 @@ from .sequence import Sequence
 ENGINE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _cache_layers(cache):
-    return cache.layers
+@dataclass
+class DecodeBatch:
+    """A decode step's layout on the host (int64): `input_ids (B,)`, `positions (B,)`,
+    `slot_mapping (B,)`, `block_tables (B, W)`."""
 
-
-class BatchKVCache:
-    """The running rows' KV cache `(B, heads, S, head_dim)` per layer and their mask `(B, S)`."""
-
-    def __init__(self, cache, mask: torch.Tensor, lengths: torch.Tensor):
-        self.cache = cache
-        self.mask = mask  # (B, S) int64
-        self.lengths = lengths  # (B,) real tokens per row
-        # while decoding from fixed buffers (graphed_decode.StaticDecodeState), the KV, mask and
-        # lengths live there; `ensure_dynamic` brings them back before any change of rows
-        self.static = None
-        self._on_leave = None
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
 
     @property
-    def batch_size(self) -> int:
-        return self.mask.shape[0]
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
 
     @property
-    def seq_len(self) -> int:
-        return self.static.used if self.static is not None else self.mask.shape[1]
+    def width(self) -> int:
+        return self.block_tables.shape[1]
 
-    def attach_static(self, state, on_leave=None) -> None:
-        """Decode from `state`'s fixed buffers; `on_leave(state)` is called once they are handed back."""
-        self.static, self._on_leave = state, on_leave
 
-    def close(self) -> None:
-        """The batch is done (every row finished or failed): give fixed buffers back unread."""
-        self._leave_static(write_back=False)
-
-    def ensure_dynamic(self) -> None:
-        """Move the KV back from fixed buffers into the `DynamicCache` (no-op when it is there)."""
-        self._leave_static(write_back=True)
-
-    def _leave_static(self, *, write_back: bool) -> None:
-        if self.static is not None:
-            state, self.static = self.static, None
-            if write_back:
-                state.write_back(self)
-            if self._on_leave is not None:
-                self._on_leave(state)
-
-    def _pad_left(self, pad: int) -> None:
-        if pad <= 0:
-            return
-        for layer in _cache_layers(self.cache):
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                zeros = t.new_zeros(*t.shape[:-2], pad, t.shape[-1])
-                setattr(layer, name, torch.cat([zeros, t], dim=-2))
-        self.mask = torch.cat([self.mask.new_zeros(self.batch_size, pad), self.mask], dim=1)
-
-    def merge(self, other: BatchKVCache) -> None:
-        """Append `other`'s rows (after this batch's rows), left-padding to a common length."""
-        self.ensure_dynamic()
-        other.ensure_dynamic()
-        self._pad_left(other.seq_len - self.seq_len)
-        other._pad_left(self.seq_len - other.seq_len)
-        for mine, theirs in zip(_cache_layers(self.cache), _cache_layers(other.cache), strict=True):
-            mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
-            mine.values = torch.cat([mine.values, theirs.values], dim=0)
-        self.mask = torch.cat([self.mask, other.mask], dim=0)
-        self.lengths = torch.cat([self.lengths, other.lengths], dim=0)
-
-    def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not in `rows`, then trim columns that are padding in every kept row."""
-        self.ensure_dynamic()
-        idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        self.mask = self.mask.index_select(0, idx)
-        self.lengths = self.lengths.index_select(0, idx)
-        for layer in _cache_layers(self.cache):
-            layer.keys = layer.keys.index_select(0, idx)
-            layer.values = layer.values.index_select(0, idx)
-        # NOTE: host sync (once per finished-sequence event, not per token)
-        lead = int(self.seq_len - self.lengths.max().item()) if rows else 0
-        if lead > 0:
-            self.mask = self.mask[:, lead:]
-            for layer in _cache_layers(self.cache):
-                layer.keys = layer.keys[..., lead:, :]
-                layer.values = layer.values[..., lead:, :]
+def mask_for(config, query_pos, column_pos, query_seq=None, column_seq=None):
+    """The attention mask(s) transformers' model takes: one 4D mask, or, for a model mixing full and
+    sliding-window layers (`layer_types`), one per kind."""
+    window = sliding_window(config)
+    full = attention_mask(query_pos, column_pos, None, query_seq, column_seq)
+    if window is None:
+        return full
+    kinds = set(getattr(config, "layer_types", None) or ())
+    sliding = attention_mask(query_pos, column_pos, window, query_seq, column_seq)
+    if "full_attention" in kinds and "sliding_attention" in kinds:
+        return {"full_attention": full, "sliding_attention": sliding}
+    return sliding
 
 
 class ModelRunner:
-    """Runs transformers' model (with managed experts) for prefill and decode steps."""
+    """Runs transformers' model (with managed experts) for prefill chunks and decode steps.
 
-    def __init__(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        prefill_chunk_tokens: int = 512,
-        graphs=None,
-        runtime=None,
-    ):
+    Args:
+        model: transformers' model with managed experts.
+        device: where it runs.
+        kv: the paged KV cache (one pool per layer).
+        graphs: a graphed_decode.GraphedDecoder for decode steps, or None: every step eager.
+        runtime: the model's ExpertRuntime: each forward is one step of it (the residency writes its
+            table before, the step's observations go to the host after); None for a plain model.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, kv: PagedKVCache, graphs=None, runtime=None):
         self.model = model
         self.device = device
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.graphs = graphs  # a graphed_decode.GraphedDecoder, or None: every step eager
-        # the model's ExpertRuntime: each forward is one step of it (the residency writes its table
-        # before, the step's observations go to the host after); None for a plain model
+        self.kv = kv
+        self.graphs = graphs
         self.runtime = runtime
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
 
     def graph_stats(self) -> dict | None:
         """What the CUDA-graph decoder did, or None when there is none."""
         return self.graphs.stats() if self.graphs is not None else None
 
     def close(self) -> None:
+        """Let go of the graphs and the KV pools (on CUDA the whole reservation is allocated)."""
         if self.graphs is not None:
             self.graphs.close()
-
-    def _new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+        self.kv.release()
 
     def _in_step(self, tokens: int, forward, *args):
         """`forward(*args)` as one step of `tokens` tokens of the runtime (between `begin_step` and
@@ -156,58 +115,86 @@ class ModelRunner:
         if self.runtime is not None:
             self.runtime.flush_observations()
 
-    def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
-        return self._in_step(input_ids.numel(), self._forward_now, input_ids, mask, positions, cache)
-
     @torch.inference_mode()
-    def _forward_now(self, input_ids, mask, positions, cache) -> torch.Tensor:
+    def forward(self, input_ids, positions, mask, slot_mapping, block_tables, logits_to_keep) -> torch.Tensor:
+        """One forward over the paged cache: the new tokens' K/V go to `slot_mapping`; logits
+        `(B, k, V)` of the positions `logits_to_keep` selects."""
+        self.kv.set_step(slot_mapping, block_tables)
         with sdpa_kernel(ENGINE_SDPA_BACKENDS):
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                past_key_values=self.kv,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=logits_to_keep,
             )
-        return out.logits[:, -1, :]
+        return out.logits
 
-    def prefill(self, seqs: list[Sequence]) -> tuple[BatchKVCache, torch.Tensor]:
-        """Prompts of `seqs` (left-padded together) -> their cache and last logits `(n, V)`.
+    def _slot(self, table: list[int], position: int) -> int:
+        return table[position // self.block_size] * self.block_size + position % self.block_size
 
-        A single long prompt is fed in chunks of `prefill_chunk_tokens` to bound activation memory.
-        """
-        prompts = [s.prompt_ids for s in seqs]
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = self._new_cache()
-        chunk = self.prefill_chunk_tokens if len(seqs) == 1 else width
-        logits = None
-        for start in range(0, width, chunk):
-            end = min(width, start + chunk)
-            logits = self._forward(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
-        lengths = mask.sum(dim=1)
-        return BatchKVCache(cache, mask, lengths), logits
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """The next `n` uncomputed tokens of each sequence, packed into one forward (their blocks
+        are allocated) -> logits `(len(chunks), V)` of each chunk's last token."""
+        bs = self.block_size
+        ids, q_pos, q_seq, slots, last = [], [], [], [], []
+        tables, c_seq, c_pos = [], [], []
+        for r, (seq, n) in enumerate(chunks):
+            start, end = seq.num_computed, seq.num_computed + n
+            ids += seq.token_ids(start, end)
+            q_pos += range(start, end)
+            q_seq += [r] * n
+            slots += [self._slot(seq.block_table, p) for p in range(start, end)]
+            last.append(len(ids) - 1)
+            width = -(-end // bs)
+            tables += seq.block_table[:width]
+            c_seq += [r] * (width * bs)
+            c_pos += range(width * bs)
+        dev = self.device
+        as_dev = lambda values: torch.tensor(values, dtype=torch.long).to(dev)  # noqa: E731
+        positions = as_dev(q_pos).view(1, -1)
+        mask = mask_for(self.model.config, positions, as_dev(c_pos), as_dev(q_seq), as_dev(c_seq))
+        tokens, slot_mapping, block_tables = as_dev(ids).view(1, -1), as_dev(slots), as_dev(tables).view(1, -1)
+        args = (tokens, positions, mask, slot_mapping, block_tables, as_dev(last))
+        return self._in_step(len(ids), self.forward, *args)[0]
 
-    def decode(self, batch: BatchKVCache, last_tokens: torch.Tensor) -> torch.Tensor:
-        """One token for every row: `last_tokens (B,)` -> logits `(B, V)`; grows the cache by one.
-        Replayed from a CUDA graph where `graphs` can (graphed_decode), else eager."""
-        return self._in_step(last_tokens.numel(), self._decode_now, batch, last_tokens)
+    def decode_batch(self, seqs: list[Sequence]) -> DecodeBatch:
+        """The host layout of a decode step of `seqs` (each has one uncomputed token, its block
+        allocated)."""
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.long)
+        for r, seq in enumerate(seqs):
+            tables[r, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
+        positions = [s.num_tokens - 1 for s in seqs]
+        return DecodeBatch(
+            torch.tensor([s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]),
+            torch.tensor(positions),
+            torch.tensor([self._slot(s.block_table, p) for s, p in zip(seqs, positions, strict=True)]),
+            tables,
+        )
 
-    def _decode_now(self, batch: BatchKVCache, last_tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token for every sequence -> logits `(B, V)`. Replayed from a CUDA graph where
+        `graphs` can (graphed_decode), else eager."""
+        batch = self.decode_batch(seqs)
+        return self._in_step(batch.rows, self._decode_now, batch)
+
+    def _decode_now(self, batch: DecodeBatch) -> torch.Tensor:
         if self.graphs is not None:
-            logits = self.graphs.decode(batch, last_tokens)
+            logits = self.graphs.decode(batch)
             if logits is not None:
                 return logits
-        batch.ensure_dynamic()
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.batch_size, 1)], dim=1)
-        positions = batch.lengths.unsqueeze(1)
-        logits = self._forward_now(last_tokens.unsqueeze(1), batch.mask, positions, batch.cache)
-        batch.lengths = batch.lengths + 1
-        return logits
+        dev = self.device
+        positions = batch.positions.to(dev).view(-1, 1)
+        columns = torch.arange(batch.width * self.block_size, device=dev)
+        mask = mask_for(self.model.config, positions, columns)
+        logits = self.forward(
+            batch.input_ids.to(dev).view(-1, 1),
+            positions,
+            mask,
+            batch.slot_mapping.to(dev),
+            batch.block_tables.to(dev),
+            1,
+        )
+        return logits[:, -1, :]

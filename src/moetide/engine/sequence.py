@@ -16,7 +16,7 @@ _ids = itertools.count()
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
-    RUNNING = "running"
+    RUNNING = "running"  # holds KV blocks: prefilling (chunk by chunk) or decoding
     FINISHED = "finished"
 
 
@@ -37,7 +37,14 @@ class Sequence:
     finish_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
-    prefilled: int = 0  # prompt tokens already in the KV cache
+    # the paged KV cache (engine/kv_blocks.py): the blocks holding this sequence's tokens in
+    # order, how many tokens' KV they hold, how many of them are full and hashed for the prefix
+    # cache; all reset when the sequence is preempted (its KV is recomputed on re-admission)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    hashed_blocks: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
+    preemptions: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -46,6 +53,19 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens whose KV is not computed yet: 1 while decoding, more while prefilling."""
+        return self.num_tokens - self.num_computed
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Prompt + output token ids `[start, end)`."""
+        end = self.num_tokens if end is None else end
+        prompt = len(self.prompt_ids)
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(start - prompt, 0) : end - prompt]
 
     @property
     def finished(self) -> bool:

@@ -13,7 +13,15 @@ from ..config import EngineConfig
 from ..errors import BudgetError, ConfigError
 from ..policies.registry import policy_spec
 from ..store.host_store import HostExpertStore
-from .budget import BudgetTracker, FixedCosts, MemoryPlan, plan_memory
+from .budget import (
+    KV_BLOCK_SIZE,
+    BudgetTracker,
+    FixedCosts,
+    MemoryPlan,
+    kv_pool_blocks,
+    kv_pool_bytes,
+    plan_memory,
+)
 from .core import ResidencyManager, ResidencyOptions
 from .direct import DirectResidency
 from .metrics import ExpertMetrics
@@ -94,7 +102,8 @@ def fixed_costs(
         + heads * tokens * tokens * 4  # attention scores if the math path of SDPA is taken
         + config.max_num_seqs * model_config.vocab_size * 4 * 3  # last-position logits and sampling
     )
-    return FixedCosts(weights, kv_tokens * per_token, activations, moe_scratch, kv_tokens)
+    return FixedCosts(weights, kv_pool_bytes(kv_tokens, per_token), activations, moe_scratch, kv_tokens)
+
 
 
 def resolve_on_miss(on_miss: str, mode: str) -> str:

@@ -14,6 +14,19 @@ from dataclasses import dataclass, replace
 from ..config import format_bytes
 from ..errors import BudgetError
 
+KV_BLOCK_SIZE = 16  # tokens per block of the paged KV cache (engine/kv_blocks.py)
+
+
+def kv_pool_blocks(kv_tokens: int) -> int:
+    """Usable blocks of the paged KV pool for a reservation of `kv_tokens` (rounded up to whole
+    blocks); the pool allocates one pad block more."""
+    return max(1, -(-kv_tokens // KV_BLOCK_SIZE))
+
+
+def kv_pool_bytes(kv_tokens: int, kv_bytes_per_token: int) -> int:
+    """What the paged KV pool of `kv_tokens` takes: its usable blocks and the pad block."""
+    return (kv_pool_blocks(kv_tokens) + 1) * KV_BLOCK_SIZE * kv_bytes_per_token
+
 
 class BudgetTracker:
     """Bytes reserved per category against a hard total. Thread-safe; O(1) per call."""
@@ -89,14 +102,18 @@ class MemoryPlan:
         added to the KV reservation, up to `max_kv_tokens` in all: more sequences are admitted at
         once, and nothing the pools could use is taken."""
         spare = self.budget_bytes - self.fixed.total - self.expert_bytes
-        extra = min(max_kv_tokens - self.fixed.kv_cache_tokens, spare // max(kv_bytes_per_token, 1))
-        if extra <= 0:
+        now = self.fixed.kv_cache_tokens
+        room = max_kv_tokens - now
+        tokens = now + min(room, spare // max(kv_bytes_per_token, 1))
+        if tokens < max_kv_tokens:  # limited by the budget: whole blocks of the paged pool
+            tokens = max(now, tokens - tokens % KV_BLOCK_SIZE)
+        added = kv_pool_bytes(tokens, kv_bytes_per_token) - kv_pool_bytes(now, kv_bytes_per_token)
+        while tokens > now and added > spare:
+            tokens = max(now, (tokens - 1) // KV_BLOCK_SIZE * KV_BLOCK_SIZE)
+            added = kv_pool_bytes(tokens, kv_bytes_per_token) - kv_pool_bytes(now, kv_bytes_per_token)
+        if tokens <= now:
             return self
-        fixed = replace(
-            self.fixed,
-            kv_cache=self.fixed.kv_cache + extra * kv_bytes_per_token,
-            kv_cache_tokens=self.fixed.kv_cache_tokens + extra,
-        )
+        fixed = replace(self.fixed, kv_cache=self.fixed.kv_cache + added, kv_cache_tokens=tokens)
         return replace(self, fixed=fixed)
 
     def describe(self) -> str:

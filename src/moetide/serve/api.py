@@ -125,8 +125,7 @@ class _Server:
             )
         if requested is None:
             requested = context - prompt_len
-            if self.engine.kv_cache_tokens is not None:
-                requested = min(requested, self.engine.kv_cache_tokens - prompt_len)
+            requested = min(requested, self.engine.kv_capacity_tokens - prompt_len)
         if requested < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens")
         if prompt_len + requested > context:

@@ -128,7 +128,7 @@ class AsyncEngine:
         # fixed engine limits, readable from any thread
         self.max_num_seqs = engine.max_num_seqs
         self.max_model_len = engine.max_model_len
-        self.kv_cache_tokens = engine.kv_cache_tokens
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
         self.vocab_size = _vocab_size(engine)
         self._cond = threading.Condition(threading.Lock())
         # guarded by _cond:
@@ -236,9 +236,10 @@ class AsyncEngine:
                 f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} (prompt + output)"
             )
         need = min(self.max_model_len, len(prompt_ids) + params.max_tokens)
-        if self.kv_cache_tokens is not None and need > self.kv_cache_tokens:
+        if need > self.kv_capacity_tokens:
             raise ConfigError(
-                f"prompt + max_tokens = {need} tokens; the KV cache holds {self.kv_cache_tokens}: lower max_tokens"
+                f"prompt + max_tokens = {need} tokens; the KV cache holds {self.kv_capacity_tokens}:"
+                " lower max_tokens"
             )
 
     # -- the engine thread ---------------------------------------------------------------------------------
@@ -392,12 +393,16 @@ class AsyncEngine:
         self.metrics.running.set(running)
 
     def _refresh_expert_metrics(self, force: bool = False) -> None:
-        if self.loaded is None:
-            return
         now = time.perf_counter()
         if not force and now - self._last_expert_refresh_s < self.expert_metrics_interval_s:
             return
         self._last_expert_refresh_s = now
+        try:
+            self.metrics.kv_snapshot = self.engine.kv_stats()
+        except Exception:  # metrics must never take the engine down
+            log.exception("could not read the KV cache metrics")
+        if self.loaded is None:
+            return
         try:
             runtime = self.loaded.runtime
             snapshot = runtime.metrics.snapshot(resident=runtime.residency.resident_counts())

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server instance, in a registry of its own (no global registry).
 
-Request metrics are updated by the engine thread as tokens arrive. Expert-residency metrics are a
-copy of `ExpertMetrics.snapshot()` that the engine thread refreshes between steps; a scrape only
-reads that copy, so it never touches the residency core from the event loop's thread.
+Request metrics are updated by the engine thread as tokens arrive. Expert-residency and KV-cache
+metrics are copies of `ExpertMetrics.snapshot()` and `LLMEngine.kv_stats()` that the engine thread
+refreshes between steps; a scrape only reads those copies, so it never touches the residency core
+or the block allocator from the event loop's thread.
 """
 
 from __future__ import annotations
@@ -86,6 +87,33 @@ class _ExpertCollector:
         yield resident
 
 
+class _KVCacheCollector:
+    """Exports the latest KV-cache snapshot (`LLMEngine.kv_stats()`) at scrape time."""
+
+    def __init__(self, server_metrics: ServerMetrics):
+        self._metrics = server_metrics
+
+    def collect(self):
+        snap = self._metrics.kv_snapshot
+        gauges = (
+            ("moetide_kv_blocks_used", "KV-cache blocks referenced by running sequences", "kv_blocks_used"),
+            ("moetide_kv_blocks_total", "KV-cache blocks in the pool", "kv_blocks_total"),
+        )
+        for name, doc, key in gauges:
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], float(snap.get(key, 0)))
+            yield family
+        counters = (
+            ("moetide_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
+            ("moetide_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", "prefix_cache_hits"),
+            ("moetide_preemptions", "Sequences preempted (KV freed, recomputed later)", "preemptions"),
+        )
+        for name, doc, key in counters:
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], float(snap.get(key, 0)))
+            yield family
+
+
 class ServerMetrics:
     """Every series `GET /metrics` exposes, registered in `self.registry`."""
 
@@ -127,7 +155,9 @@ class ServerMetrics:
             self.finished.labels(reason)  # series exist (at 0) before the first request
         self.rejected.labels("queue_full")
         self.expert_snapshot: dict = {}
+        self.kv_snapshot: dict = {}
         r.register(_ExpertCollector(self))
+        r.register(_KVCacheCollector(self))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
