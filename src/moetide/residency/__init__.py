@@ -153,9 +153,12 @@ def build_residency(
     from ..store.prepare import ensure_precision
 
     cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else None
+    # under a cap the quantizer's batches stay inside it: what the expert pools will use later
+    quant_bytes = max(0, room) if config.gpu_memory_bytes is not None else None
     for precision, needed in ((lo, needs_lo), (hi_precision, True)):
         if needed and precision not in store.versions:
-            ensure_precision(store, config.model_path, precision, progress=progress, cache_dir=cache_dir)
+            ensure_precision(store, config.model_path, precision, progress=progress, cache_dir=cache_dir,
+                             device_bytes=quant_bytes)  # fmt: skip
     lo_bytes = store.bytes_per_expert(lo) if lo in store.versions else 0
     top_k = getattr(model_config, "num_experts_per_tok", 1)
     plan = plan_memory(

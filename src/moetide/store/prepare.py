@@ -152,13 +152,21 @@ def ensure_precision(
     progress: bool = True,
     cache_dir: Path | None = None,
     write_cache: bool = True,
+    device_bytes: int | None = None,
 ) -> Path | None:
-    """Give `store` a `precision` version: from the disk cache, else by quantizing (and caching)."""
+    """Give `store` a `precision` version: from the disk cache, else by quantizing (and caching).
+    `device_bytes`: what the quantizer may allocate on the GPU (the budget left beside the fixed
+    part); its batches are sized to it, and with less than one expert's worth it runs on the CPU."""
     path = cache_file(checkpoint, precision, store.values_dtype, cache_dir)
     if load_cached(store, path, precision):
         return path
     total = store.num_layers * store.num_experts
     device = "cuda" if torch.cuda.is_available() else None
+    per_batch = None
+    if device is not None and device_bytes is not None:
+        per_batch = store.experts_fitting(device_bytes)
+        if per_batch == 0:
+            device, per_batch = None, None  # not even one expert fits: quantize in host memory
     hessians = None
     from . import quant
 
@@ -167,7 +175,7 @@ def ensure_precision(
 
         hessians = expert_hessians(checkpoint, path.parent, total, device)
     with progress_bar(total, f"quantizing experts to {precision}", "expert", progress) as bar:
-        store.add_precision(precision, progress=bar, device=device, hessians=hessians)
+        store.add_precision(precision, progress=bar, device=device, hessians=hessians, experts_per_batch=per_batch)
     if not write_cache:
         return None
     try:
