@@ -518,14 +518,14 @@ def test_spare_budget_goes_to_the_kv_reservation_and_never_to_more_than_the_budg
 
 
 def test_the_engine_reserves_spare_budget_for_kv_unless_told_a_size():
-    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="1GiB")
+    llm = moetide.LLM(device="cpu", policy="on-demand", gpu_memory="1GiB")
     try:
         plan = llm.loaded.runtime.residency.plan
         assert plan.fixed.kv_cache_tokens == llm.engine.kv_cache_tokens == 32 * 2048  # max_num_seqs full rows
         assert plan.fixed.total + plan.expert_bytes <= plan.budget_bytes
     finally:
         llm.close()
-    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="1GiB", kv_cache_tokens=4096)
+    llm = moetide.LLM(device="cpu", policy="on-demand", gpu_memory="1GiB", kv_cache_tokens=4096)
     try:
         assert llm.loaded.runtime.residency.plan.fixed.kv_cache_tokens == llm.engine.kv_cache_tokens == 4096
     finally:

@@ -199,9 +199,9 @@ def test_the_engine_replaying_real_routing_hits_what_the_simulator_predicts(tmp_
     path = tmp_path / "trace.safetensors"
     # finemoe and on-demand never ask a router ahead: no speculative routing to record
     trace = record_heldout_trace(
-        demo_model_path(), path, num_prompts=16, output_len=12, max_input_len=48, spec_distances=()
+        demo_model_path(), path, num_prompts=12, output_len=10, max_input_len=48, spec_distances=()
     )
-    warm_n = 6
+    warm_n = 5
     requests = trace.requests()
     warm, test = trace.select_requests(requests[:warm_n]), trace.select_requests(requests[warm_n:])
     capacity = trace.meta.num_layers * trace.meta.num_experts // 4  # what --gpu-memory 25% holds
