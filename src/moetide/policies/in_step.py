@@ -6,8 +6,8 @@ step later (`TABLE_LAG`) throws that away: the prediction is for a step that has
 feed, nothing in the step waits for the host, and yet the policies act within it:
 
     device (compute stream)                        host (the feed's thread)
-    embedding -> seq_a, embed, seq_b  ----------->  begin_iteration(embedding)
-    layer l routes -> seq_a, ids/logits/spec, seq_b ->  observe_layer(l), observe_speculative(l)
+    embedding -> embed copy, step word 0  ------->  begin_iteration(embedding)
+    layer l routes -> row copy, step word 1+l ---->  observe_layer(l), observe_speculative(l)
     layer l's experts (read the device table)        residency.in_step(step, l): prefetches for
     layer l+1 routes ...                              layers > l start now, publish when they land
 
