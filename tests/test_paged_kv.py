@@ -240,3 +240,12 @@ def test_sliding_window_layers_see_the_window_only(tmp_path, family, overrides):
     finally:
         llm.close()
     assert got == [_reference(reference, prompt, n) for prompt, n in requests]
+
+
+def test_mask_sizes_are_those_of_the_gathered_rows():
+    from moetide.engine.paged_cache import PagedKVCache
+
+    cache = PagedKVCache(8, 16, torch.device("cpu"), grow=True)
+    assert cache.get_mask_sizes(5, 0) == (5, 0)  # no step laid out yet: the query alone
+    cache.set_step(torch.arange(16, 21), torch.tensor([[1, 2, 0]]))
+    assert cache.get_mask_sizes(5, 0) == (3 * 16, 0)  # three blocks of 16 gathered per row

@@ -74,7 +74,13 @@ class PagedKVCache(Cache):
         return 0  # positions are always given explicitly (the engine's position_ids)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        raise NotImplementedError("the paged cache is used with a prepared 4D attention mask only")
+        """`(kv_length, kv_offset)` of what `update` returns: every row's blocks gathered, block-table
+        width x block size, from offset 0. (The engine passes its own 4D mask, so transformers asks
+        this only of a forward run outside it; for one sequence, whose blocks lie in order, the
+        causal mask over these sizes is the right one.)"""
+        if self.block_tables is None:
+            return query_length, 0
+        return self.block_tables.shape[1] * self.block_size, 0
 
     def __len__(self) -> int:
         return len(self.keys)
