@@ -53,6 +53,7 @@ class LayerFeed:
         self._cv = threading.Condition()
         self._steps: deque = deque()  # (iteration, tokens, request ids) announced by the runtime
         self._stop = False
+        self._busy = False  # the thread is following a step
         self.steps_seen = 0  # steps published whole
         self.steps_cut = 0  # steps the thread was overtaken on (published in part)
         self.layers_seen = 0
@@ -100,8 +101,6 @@ class LayerFeed:
                     return False
                 self._cv.wait(min(left, 0.05))
         return True
-
-    _busy = False
 
     # -- the feed's thread --------------------------------------------------------------------------
     def _wait_for(self, slot: int, iteration: int, routed: int | None = None) -> bool:

@@ -167,7 +167,8 @@ class ResidencyManager:
         self.in_step_fed = False  # a layer feed calls `in_step` (set by it): keep a reserve of slots
         self._in_step_short: dict[str, int] = {}  # pool -> in-step prefetches that wanted a slot, this step
         self._reserve: dict[str, float] = {}  # pool -> slots begin_step parks for them (EMA)
-        self._parked: dict[tuple[int, int, str], None] = {}  # (layer, expert, pool) out of this step's table
+        # pool -> {(layer, expert)}: versions kept out of this step's table for in-step prefetches
+        self._parked: dict[str, dict[tuple[int, int], None]] = {name: {} for name in self.pools}
         self._inflight: deque = deque()  # prefetch versions issued, oldest first (pruned as they land)
         self._parked_in_step: dict[int, dict] = {}  # iteration -> what was parked in it (metrics)
         self._fills: set[tuple[int, int]] = set()  # queued requests that cache a miss (hi-cache)
@@ -339,12 +340,9 @@ class ResidencyManager:
             return None
         self._reclaim()
         for _ in range(3):
-            slot = p.take()
-            if slot is not None:
-                if self.budget.try_reserve(p.slot_bytes, f"expert_{pool}"):
-                    return slot
-                p.give(slot)
-                return None
+            found, slot = self._take_free(pool)
+            if found:
+                return slot
             if may_evict:
                 if next_victim is not None and not may_wait:
                     victim = next_victim()
@@ -360,6 +358,18 @@ class ResidencyManager:
                 return None
         return None
 
+    def _take_free(self, pool: str) -> tuple[bool, int | None]:
+        """A free slot of `pool` with its budget reserved: `(True, slot)`; `(True, None)` when one is
+        free but the budget refuses it (admission control: no copy); `(False, None)` when none is."""
+        p = self.pools[pool]
+        slot = p.take()
+        if slot is None:
+            return False, None
+        if self.budget.try_reserve(p.slot_bytes, f"expert_{pool}"):
+            return True, slot
+        p.give(slot)
+        return True, None
+
     RESERVE_SHARE = 3  # at most 1/3 of a pool is parked for in-step prefetches
 
     def _keep_reserve(self) -> None:
@@ -370,9 +380,9 @@ class ResidencyManager:
         slot: an in-step prefetch takes the slot at once, else the version comes back at the next
         step boundary, uncopied. As many as the last steps' in-step prefetches wanted (smoothed), at
         most a share of the pool, chosen by the eviction rule over every layer."""
-        for key in self._parked:
-            self._watch.add(key[:2])
-        self._parked = {}
+        for parked in self._parked.values():
+            self._watch.update(parked)
+        self._parked = {name: {} for name in self.pools}
         self._parked_in_step = {it: keys for it, keys in self._parked_in_step.items() if it > self.iteration - 4}
         self._parked_in_step[self.iteration] = self._parked  # (for the accounting a step later)
         for name, p in self.pools.items():
@@ -385,7 +395,7 @@ class ResidencyManager:
                 continue
             next_victim = self._victim_queue(name)
             while want > 0 and (victim := next_victim()) is not None:
-                self._parked[(victim.layer, victim.expert, name)] = None
+                self._parked[name][(victim.layer, victim.expert)] = None
                 self._watch.add((victim.layer, victim.expert))
                 want -= 1
 
@@ -395,33 +405,26 @@ class ResidencyManager:
         changes hands without waiting)."""
         self._reclaim()
         self._in_step_short[pool] = self._in_step_short.get(pool, 0) + 1
-        p = self.pools[pool]
-        slot = p.take()
-        if slot is not None:
-            if self.budget.try_reserve(p.slot_bytes, f"expert_{pool}"):
-                return slot
-            p.give(slot)
-            return None
-        victim = None
-        while self._parked_in(pool) and victim is None:
-            key = next(k for k in self._parked if k[2] == pool)
-            del self._parked[key]
-            h = self.handles[key[0]][key[1]]
+        found, slot = self._take_free(pool)
+        if found:
+            return slot
+        victim, parked = None, self._parked[pool]
+        while parked and victim is None:
+            layer, expert = next(iter(parked))
+            del parked[(layer, expert)]
+            h = self.handles[layer][expert]
             if pool in h.versions and not h.in_use:
                 victim = h
         victim = victim or next_victim()
         if victim is None:
             return None
-        self._parked.pop((victim.layer, victim.expert, pool), None)
+        self._parked[pool].pop((victim.layer, victim.expert), None)
         version = victim.versions.pop(pool)
         self._lru[pool].pop((victim.layer, victim.expert), None)
         self._watch.add((victim.layer, victim.expert))
         self._table_master[victim.layer, 0, victim.expert] = NOT_RESIDENT  # until the next write recomputes it
         self.metrics.bump("evictions")
         return version.slot  # its reservation carries over to the new version
-
-    def _parked_in(self, pool: str) -> bool:
-        return any(k[2] == pool for k in self._parked)
 
     def _finish_oldest_copy(self, pool: str) -> ExpertHandle | None:
         """Every slot holds a copy in flight: wait for the oldest, publish it, offer it for eviction."""
@@ -514,7 +517,7 @@ class ResidencyManager:
             if self._evicts(pool):  # a pool that holds every expert keeps no LRU order worth a touch
                 self._touch(h, pool)
             # predicted after all: no in-step prefetch may take its slot (it is back in the next table)
-            self._parked.pop((layer, expert, pool), None)
+            self._parked[pool].pop((layer, expert), None)
             return False
         fill = (layer, expert) in self._fills  # caching a miss: not a prediction, never dropped for the link
         self._fills.discard((layer, expert))
@@ -776,7 +779,7 @@ class ResidencyManager:
         else (zero-copy) its hi version in host memory, else nowhere."""
         for pool in ("hi", "lo"):
             v = h.versions.get(pool)
-            if v is not None and (h.layer, h.expert, pool) not in self._parked and self._publish_if_ready(v):
+            if v is not None and (h.layer, h.expert) not in self._parked[pool] and self._publish_if_ready(v):
                 return self.pool_ids[pool], v.slot
         if self.options.on_miss == "zero-copy":
             return self.pool_ids["host"], self.store.row(h.layer, h.expert)
@@ -855,7 +858,7 @@ class ResidencyManager:
             if pool != "hi" and hi is not None:  # it ran from lo or host memory with a hi version kept
                 if hi.prefetched and hi.issued_at <= iteration:
                     self.metrics.bump("prefetches_late")  # predicted in time, landed too late
-                elif (int(layer), int(expert), "hi") in self._parked_in_step.get(iteration, ()):
+                elif (int(layer), int(expert)) in self._parked_in_step.get(iteration, {}).get("hi", ()):
                     self.metrics.bump("parked_misses")  # its slot was parked for in-step prefetches
 
     # -- set-up and reporting ---------------------------------------------------------------------------

@@ -73,10 +73,7 @@ class _ExpertCollector:
             ("moetide_expert_prefetches_issued", "Expert prefetches issued", "prefetches_issued"),
             ("moetide_expert_prefetches_used", "Prefetched experts that were then used", "prefetches_used"),
         )
-        for name, doc, key in counters:
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], float(snap.get(key, 0)))
-            yield family
+        yield from _families(CounterMetricFamily, counters, snap)
         resident = GaugeMetricFamily(
             "moetide_resident_experts", "Experts resident on the device", labels=["precision"]
         )
@@ -85,6 +82,14 @@ class _ExpertCollector:
         for precision, count in sorted(counts.items()):
             resident.add_metric([precision], float(count))
         yield resident
+
+
+def _families(kind, series, snap: dict):
+    """One unlabelled `kind` (gauge or counter family) per `(name, doc, snapshot key)` of `series`."""
+    for name, doc, key in series:
+        family = kind(name, doc)
+        family.add_metric([], float(snap.get(key, 0)))
+        yield family
 
 
 class _KVCacheCollector:
@@ -99,19 +104,13 @@ class _KVCacheCollector:
             ("moetide_kv_blocks_used", "KV-cache blocks referenced by running sequences", "kv_blocks_used"),
             ("moetide_kv_blocks_total", "KV-cache blocks in the pool", "kv_blocks_total"),
         )
-        for name, doc, key in gauges:
-            family = GaugeMetricFamily(name, doc)
-            family.add_metric([], float(snap.get(key, 0)))
-            yield family
+        yield from _families(GaugeMetricFamily, gauges, snap)
         counters = (
             ("moetide_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
             ("moetide_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", "prefix_cache_hits"),
             ("moetide_preemptions", "Sequences preempted (KV freed, recomputed later)", "preemptions"),
         )
-        for name, doc, key in counters:
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], float(snap.get(key, 0)))
-            yield family
+        yield from _families(CounterMetricFamily, counters, snap)
 
 
 class ServerMetrics:
