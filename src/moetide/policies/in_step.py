@@ -62,11 +62,13 @@ class LayerFeed:
         observations.want(feed=True)
         if hasattr(sink, "in_step_fed"):
             sink.in_step_fed = True
+        self._switch_interval = None  # the interpreter's own, restored on close
         if not self.poll:
             observations.on_publish.append(self._wake)
             # on the CPU the forward pass holds the GIL between ops: hand it over often enough that
             # this thread (and the copy worker) act within a layer, not 5 ms (Python's default) later
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval, SWITCH_S))
         self._thread = threading.Thread(target=self._run, name="moetide-layer-feed", daemon=True)
         self._thread.start()
 
@@ -90,6 +92,9 @@ class LayerFeed:
         self._thread.join(timeout=10)
         if self._wake in self.obs.on_publish:
             self.obs.on_publish.remove(self._wake)
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until every announced step has been handled (tests; the end of a traced run)."""
