@@ -13,7 +13,12 @@ Per request, from the arrival times of streamed chunks:
 Per level: output tokens/s = all output tokens / level wall time; TTFT and TPOT percentiles; the
 change in the server's expert counters (stall seconds, bytes moved) and its hit rate at the end.
 
-Example (the lead's H200 run):
+Prefix probe (`--prefix-probe-tokens N`): before the levels, pairs of requests that share a system
+prompt of about N tokens, each pair a new one; the first of a pair fills the prefix cache, the
+second finds it there. Reported: median TTFT of the seconds / of the firsts, and the change in the
+server's `moetide_prefix_cache_{queries,hits}_total`.
+
+Example (the H200 run):
     python scripts/bench_server.py --out bench_server.json -- --gpu-memory 8GiB --policy combined
 """
 
@@ -29,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -79,7 +85,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(serve_args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
+def start_server(
+    serve_args: list[str], timeout_s: float, server_src: str | None = None
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
         sys.executable,
@@ -93,7 +101,10 @@ def start_server(serve_args: list[str], timeout_s: float) -> tuple[subprocess.Po
         *serve_args,
     ]
     print("[bench] starting:", " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if server_src:  # another version's source tree first on the server's path
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (server_src, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -122,7 +133,7 @@ def scrape(url: str) -> dict[str, float]:
 
 # -- one request, one level ------------------------------------------------------------------------------------
 async def one_request(
-    client: httpx.AsyncClient, model: str, prompt: str, args, concurrency: int
+    client: httpx.AsyncClient, model: str, prompt: str, args, concurrency: int, system: str | None = None
 ) -> RequestRecord:
     """One streamed request over plain HTTP + SSE (httpx only, so the GPU machine needs no openai
     client); chunk arrival times give TTFT and TPOT, the final usage chunk the token counts."""
@@ -134,8 +145,12 @@ async def one_request(
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
+    if args.word_ids:  # a model with a word-per-id tokenizer (random weights): the text's words as ids
+        prompt = [zlib.crc32(word.encode()) % args.word_ids for word in prompt.split()]
     if args.endpoint == "chat":
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        if system is not None:
+            body["messages"].insert(0, {"role": "system", "content": system})
     else:
         path, body["prompt"] = "/v1/completions", prompt
     sent = time.perf_counter()
@@ -173,6 +188,68 @@ async def one_request(
     tpot = (last - first) / (n - 1) if first is not None and n > 1 else None
     prompt_tokens = usage["prompt_tokens"] if usage else None
     return RequestRecord(concurrency, len(prompt), prompt_tokens, n, ttft, tpot, time.perf_counter() - sent)
+
+
+def probe_texts(prompts: list[str], count: int, chars: int) -> list[str]:
+    """`count` texts of `chars` characters, each from its own prompts (no two share a first block)."""
+    texts, i = [], 0
+    for _ in range(count):
+        text = ""
+        while len(text) < chars:
+            text += prompts[i % len(prompts)] + "\n"
+            i += 1
+        texts.append(text[:chars])
+    return texts
+
+
+QUERIES, HITS = "moetide_prefix_cache_queries_total", "moetide_prefix_cache_hits_total"
+
+
+async def prefix_probe(url: str, model: str, prompts: list[str], args) -> dict:
+    """TTFT of a request whose long system prompt is new to the server, then of one that shares it."""
+    questions = ("Summarize the text above in one sentence.", "What is the main topic of the text above?")
+    probe = argparse.Namespace(**{**vars(args), "output_len": 4})
+    client = httpx.AsyncClient(base_url=url, timeout=args.request_timeout)
+
+    async def ask(system: str, question: str) -> RequestRecord:
+        if args.endpoint == "chat":
+            return await one_request(client, model, question, probe, 1, system=system)
+        return await one_request(client, model, system + "\n" + question, probe, 1)
+
+    try:
+        texts = probe_texts(prompts, args.prefix_probe_pairs, 6 * args.prefix_probe_tokens)
+        pairs, queries, hits = [], 0.0, 0.0
+        for text in texts:
+            # cut to about N tokens at the text's own characters per token, counted on copies that
+            # start differently (their blocks' chained hashes all differ: they leave no usable prefix)
+            third, sixth = len(text) // 3, len(text) // 6
+            longer = await ask("calibration\n" + text[:third], questions[0])
+            shorter = await ask("calibration\n" + text[:sixth], questions[0])
+            counted = (longer.prompt_tokens or 0) - (shorter.prompt_tokens or 0)
+            per_token = (third - sixth) / max(1, counted)
+            text = text[: int(per_token * args.prefix_probe_tokens)]
+            before = scrape(url)
+            first = await ask(text, questions[0])
+            second = await ask(text, questions[1])
+            after = scrape(url)
+            pairs.append({"first": asdict(first), "second": asdict(second)})
+            queries += after.get(QUERIES, 0.0) - before.get(QUERIES, 0.0)
+            hits += after.get(HITS, 0.0) - before.get(HITS, 0.0)
+    finally:
+        await client.aclose()
+    ok = [p for p in pairs if p["first"]["ttft_s"] and p["second"]["ttft_s"]]
+    first_ttft = statistics.median(p["first"]["ttft_s"] for p in ok) if ok else None
+    second_ttft = statistics.median(p["second"]["ttft_s"] for p in ok) if ok else None
+
+    return {
+        "target_tokens": args.prefix_probe_tokens,
+        "pairs": pairs,
+        "first_ttft_s_median": first_ttft,
+        "second_ttft_s_median": second_ttft,
+        "ttft_ratio": second_ttft / first_ttft if first_ttft and second_ttft else None,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+    }
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, args, offset: int):
@@ -267,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-name", default=None, help="`model` to request (default: the server's first model)"
     )
+    parser.add_argument(
+        "--server-src",
+        default=None,
+        help="run `moetide serve` from this source directory (a checkout of another version: A/B runs)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
@@ -274,13 +356,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     parser.add_argument("--prompts", default=None, help="prompt file (one per line, or JSONL with 'prompt')")
     parser.add_argument(
+        "--word-ids",
+        type=int,
+        default=0,
+        metavar="VOCAB",
+        help="send each prompt as token ids, a word's id its CRC-32 mod VOCAB (completions; for"
+        " synthetic checkpoints, whose word tokenizer maps real words to one unknown id)",
+    )
+    parser.add_argument(
         "--max-prompt-chars", type=int, default=2000, help="prompts are cut to this many characters"
     )
     parser.add_argument("--warmup-requests", type=int, default=2)
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server")
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--prefix-probe-tokens", type=int, default=0, help="shared system prompt length for the prefix probe"
+    )
+    parser.add_argument("--prefix-probe-pairs", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args, serve_args = parser.parse_known_args(argv)
+    if args.word_ids and args.endpoint != "completions":
+        parser.error("--word-ids sends token ids: use it with --endpoint completions")
     serve_args = [a for a in serve_args if a != "--"]
     if args.url and serve_args:
         parser.error(f"--url given: nothing to forward to moetide serve, but got {' '.join(serve_args)}")
@@ -289,12 +385,22 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     url = args.url.rstrip("/") if args.url else None
     if url is None:
-        proc, url = start_server(serve_args, args.startup_timeout)
+        proc, url = start_server(serve_args, args.startup_timeout, args.server_src)
     try:
         model = args.model_name or httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         if args.warmup_requests:
             warm = argparse.Namespace(**{**vars(args), "requests_per_client": args.warmup_requests})
             asyncio.run(run_level(url, model, prompts, 1, warm, offset=len(prompts) // 2))
+        probe = None
+        if args.prefix_probe_tokens:
+            probe = asyncio.run(prefix_probe(url, model, prompts, args))
+            print(
+                f"[bench] prefix probe: TTFT {probe['first_ttft_s_median']} s new, "
+                f"{probe['second_ttft_s_median']} s shared (ratio {probe['ttft_ratio']}), "
+                f"{probe['prefix_cache_hits']:.0f} of {probe['prefix_cache_queries']:.0f} prompt tokens hit",
+                file=sys.stderr,
+                flush=True,
+            )
         levels, all_records = [], []
         for concurrency in args.concurrency:
             before = scrape(url)
@@ -327,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "num_prompts": len(prompts),
             "levels": levels,
+            "prefix_probe": probe,
             "requests": [asdict(r) for r in all_records],
         }
         Path(args.out).write_text(json.dumps(result, indent=2))
