@@ -16,7 +16,7 @@ from .kv_blocks import BlockAllocator
 from .llm_engine import PREFILL_CHUNK_TOKENS, LLMEngine
 from .paged_cache import PagedKVCache
 from .memory import resolve_budget
-from .runner import FOLD_PREFILL_TOKENS, ModelRunner
+from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
 
@@ -192,8 +192,6 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
             kv,
             graphs=graphed_decoder(config, loaded, kv),
             runtime=loaded.runtime,
-            max_rows=config.max_num_seqs,
-            fold_prefill_tokens=config.extra.get("fold_prefill_tokens", FOLD_PREFILL_TOKENS),
         ),
         tokenizer,
         eos,
