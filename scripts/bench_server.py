@@ -309,6 +309,8 @@ def summarize(
         "expert_stall_s": delta("moetide_expert_stall_seconds_total"),
         "expert_bytes_moved": delta("moetide_expert_bytes_moved_total"),
         "expert_hit_rate_end": after.get("moetide_expert_hit_rate"),
+        "preemptions": delta("moetide_preemptions_total"),
+        "kv_blocks_total": after.get("moetide_kv_blocks_total"),
         "resident_experts_end": {
             k.split("[")[1][:-1]: v for k, v in after.items() if k.startswith("moetide_resident")
         },

@@ -5,6 +5,8 @@
         --layer results/gpu/X/fused_layer.json --date 2026-12-01 --commit abc1234
     python scripts/record_targets.py --sync-free results/gpu/X/decode_a.json \
         --dynamic results/gpu/X/decode_b.json --compile off --date 2026-12-01 --commit abc1234
+    python scripts/record_targets.py --serve X/demo_serve.json Y/olmoe_serve.json \
+        --serve-pair X/demo_serve.json X/demo_serve_base.json --date 2026-12-01 --commit abc1234
 
 Every value is a ratio or a rate from one raw file (one process, one run); `raw` names that file.
 """
@@ -75,12 +77,42 @@ def layer_targets(rows: list[dict]) -> dict[str, tuple[float | None, float, str]
     return {"lo_kernel_vs_hbm_roofline_worst": (max(lo) if lo else None, 2.0, "le")}
 
 
+def level(result: dict, clients: int) -> dict | None:
+    return next((lv for lv in result["levels"] if lv["concurrency"] == clients), None)
+
+
+def serve_targets(paths: list[str]) -> dict[str, tuple[float | None, float, str, str]]:
+    """The serving targets over bench_server.py results (one per model): the worst model's TTFT p90
+    at 32 and 64 clients and the worst prefix-probe ratio; `raw` names the worst model's file."""
+    found = {}
+    results = {p: json.loads(Path(p).read_text()) for p in paths}
+    for clients in (32, 64):
+        values = [(lv["ttft_s"]["p90"], p) for p, r in results.items() if (lv := level(r, clients))]
+        if values:
+            value, raw = max(values)
+            found[f"serve_ttft_p90_s_{clients}_clients"] = (value, 2.0, "le", raw)
+    probes = [(r["prefix_probe"]["ttft_ratio"], p) for p, r in results.items() if r.get("prefix_probe")]
+    if probes:
+        value, raw = max(probes)
+        found["prefix_cache_ttft_ratio"] = (value, 0.3, "le", raw)
+    return found
+
+
+def serve_pair_target(new: str, base: str) -> dict[str, tuple[float | None, float, str, str]]:
+    """Output tok/s at 32 clients of this engine over another version's (`--server-src`), one call."""
+    a, b = (level(json.loads(Path(p).read_text()), 32) for p in (new, base))
+    value = a["output_tokens_per_s"] / b["output_tokens_per_s"] if a and b else None
+    return {"serve_tok_s_32_clients_vs_left_padded": (value, 2.0, "ge", new)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode")
     ap.add_argument("--layer")
     ap.add_argument("--sync-free", help="decode JSON with combined, static-int2 and the hf baseline")
     ap.add_argument("--dynamic", help="decode JSON with finemoe, dynaexq, lru, on-demand, moe-infinity at bs 1")
+    ap.add_argument("--serve", nargs="+", help="bench_server.py JSONs of this engine, one per model")
+    ap.add_argument("--serve-pair", nargs=2, metavar=("NEW", "BASE"), help="bench_server.py JSONs, one call")
     ap.add_argument("--compile", default="auto", help="which compile setting's decode rows count")
     ap.add_argument("--date", required=True)
     ap.add_argument("--commit", required=True)
@@ -99,6 +131,10 @@ def main() -> int:
     if args.layer:
         rows = json.loads(Path(args.layer).read_text())["rows"]
         found.update({k: (*v, args.layer) for k, v in layer_targets(rows).items()})
+    if args.serve:
+        found.update(serve_targets(args.serve))
+    if args.serve_pair:
+        found.update(serve_pair_target(*args.serve_pair))
     for name, (value, goal, sense, raw) in found.items():
         if value is None:
             continue
