@@ -406,6 +406,7 @@ def test_bench_cli_end_to_end(qwen3_checkpoint, tmp_path):
         "on_miss": "lo",
         "prefetch_distance": 1,
         "hi_precision": "int4",
+        "ladder": None,
         "host_versions": None,
         "lo_kernel": "dequant",
         "cuda_graphs": "off",

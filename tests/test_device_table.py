@@ -43,11 +43,11 @@ class LaggingTransfer(CpuTransfer):
         return event
 
 
-def expected_weights(layer: int, expert: int, precision: str) -> torch.Tensor:
-    """The expert's dense gate_up as the host store holds `precision` (hi, or the lo format)."""
+def expected_weights(layer: int, expert: int, precision: str, store=STORE) -> torch.Tensor:
+    """The expert's dense gate_up as the host store holds `precision` (hi, or a low-bit format)."""
     if precision == "hi":
-        return STORE.views(layer, expert, "hi")["gate_up"]
-    gate_up, _ = quant.dequantize(STORE.views(layer, expert, precision), STORE.meta[precision], torch.float32)
+        return store.views(layer, expert, "hi")["gate_up"]
+    gate_up, _ = quant.dequantize(store.views(layer, expert, precision), store.meta[precision], torch.float32)
     return gate_up
 
 
@@ -144,8 +144,8 @@ class DeviceTableMachine(RuleBasedStateMachine):
                 gate_up, _ = pools[pool_id].weights(slot, torch.float32)
                 assert torch.isfinite(gate_up).all(), "read a poisoned (partially written) slot"
                 name = names[pool_id]
-                precision = self.manager.options.lo_precision if name == "lo" else "hi"
-                want = expected_weights(layer, expert, precision)
+                precision = self.manager.precision_of(name)
+                want = expected_weights(layer, expert, precision, self.manager.store)
                 assert torch.equal(gate_up, want), f"{name} slot {slot} no longer holds ({layer}, {expert})"
 
     @invariant()

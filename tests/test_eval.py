@@ -147,10 +147,37 @@ def test_ladder_names_are_checked_against_the_registry():
     from moetide.eval.quality import DEFAULT_CONFIGS
 
     assert not any("gptq" in c for c in DEFAULT_CONFIGS)  # calibration runs only when asked
-    with pytest.raises(ConfigError, match="more bytes"):
+    with pytest.raises(ConfigError, match="fewer bytes than the one before it"):
         EvalSpec(configs=["int2>int4"])
-    with pytest.raises(ConfigError, match="HOT>COLD"):
+    with pytest.raises(ConfigError, match="unknown format 'int3'"):
         EvalSpec(configs=["int3>int2"])
+    assert ladder_of("bf16>int4>int2+4>int2") == ("bf16", "int4", "int2+4", "int2")
+    with pytest.raises(ConfigError, match="int2 .* is not smaller than int2"):
+        EvalSpec(configs=["int4>int2>int2"])
+
+
+def test_a_deeper_ladder_is_planned_at_the_same_budget_as_the_engine_would_split_it():
+    """int4 > int2+4 > int2 at the halfway memory (3.375 bits/weight): the 3.375 MiB above all-int2
+    split in equal bytes, 32 int4 + 48 int2+4 experts; the device budget it names gives the engine's
+    plan exactly those tiers (checked without loading the weights)."""
+    import dataclasses
+
+    from moetide.engine.memory import model_bytes, plan_for
+    from moetide.eval.quality import _engine_config, config_plan, ladder_experts
+
+    geo = expert_geometry(demo_model_path())
+    assert ladder_experts("mid", geo, ("int4", "int2+4", "int2")) == [32, 48]
+    assert ladder_experts("mid", geo, ("int4", "int2+4")) == [21]  # the two-tier rule, unchanged
+    spec = EvalSpec(device="cpu", configs=["int4>int2+4>int2"], budgets=["mid"])
+    plan = config_plan(spec, demo_model_path(), "int4>int2+4>int2", geo, "mid")
+    assert plan["tier_experts"] == [32, 48] and plan["hi_experts"] == 32 and plan["dynamic"]
+    assert plan["bits_per_weight"] == pytest.approx(3.375)
+    ladder, budget = ("int4", "int2+4", "int2"), plan["budget_bytes"]
+    config = _engine_config(spec, demo_model_path(), "dynaexq", budget, ladder, plan["tier_experts"])
+    memory = plan_for(config, model_bytes(config), budget)
+    assert (memory.hi_slots, memory.mid_slots, memory.lo_slots) == (32, (48,), geo.total)
+    unsplit = plan_for(dataclasses.replace(config, ladder_slots=None), model_bytes(config), budget)
+    assert unsplit.upper_slots == (32, 48)  # on the CPU too the engine's own split agrees (no bf16 tier)
 
 
 def test_first_split_measures_the_first_conversations_and_calibrates_on_the_next():

@@ -20,7 +20,7 @@ from moetide.compute.fused_moe_config import KernelConfig, config_for, default_c
 from moetide.residency.slot_table import NOT_RESIDENT, Pool, dense_format, packed_format
 from moetide.store import quant
 
-MIN_INTERPRETER_PASSES = 23
+MIN_INTERPRETER_PASSES = 25
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,30 @@ def test_fused_kernel_mixed_table(kernel, dtype, num_tokens):
     ref = reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu)
     assert out.shape == hidden.shape and out.dtype == dtype
     assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_fused_kernel_ladder_table_reads_its_middle_pool(kernel, num_tokens):
+    """A three-tier ladder's pools as the residency lists them: hi (id 0), lo int2 (1), no host pool
+    (2), the middle tier int4 (3), one slot row per pool. The kernel computes every pool's experts,
+    the third's included (other weights in its slots change the output), and equals the reference."""
+    dtype, dev = torch.float32, kernel_device()
+    pools = [make_pool(3, I, H, "hi", dtype, seed=1), make_pool(E, I, H, "int2", dtype, seed=2), None,
+             make_pool(4, I, H, "int4", dtype, seed=3)]  # fmt: skip
+    pool_of = torch.tensor([0, 3, 1, 3, 1, 0, 3, NOT_RESIDENT], dtype=torch.int32, device=dev)
+    slot_of = torch.zeros(4, E, dtype=torch.int32)
+    slot_of[0, [0, 5]] = torch.tensor([2, 0], dtype=torch.int32)
+    slot_of[1] = torch.arange(E, dtype=torch.int32)
+    slot_of[3, [1, 3, 6]] = torch.tensor([3, 0, 1], dtype=torch.int32)
+    slot_of = slot_of.to(dev)
+    pairs = torch.tensor([[1, 0], [3, 2], [6, 7], [5, 4]])
+    ids = pairs.repeat(-(-num_tokens // 4), 1)[:num_tokens].to(dev)
+    weights = torch.rand(num_tokens, TOP_K, generator=torch.Generator().manual_seed(5)).to(dev)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(6)).to(dev)
+    out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), dtype)
+    other = [*pools[:3], make_pool(4, I, H, "int4", dtype, seed=4)]
+    assert not torch.allclose(kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, other), out)
 
 
 @pytest.mark.parametrize("precision", ["int4", "int2"])

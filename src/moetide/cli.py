@@ -95,8 +95,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         dest="hi_precision",
         default="bf16",
         choices=["bf16", *LOW_BIT_FORMATS],
-        help="hot experts' precision for dynaexq/combined (a low-bit one: three tiers, e.g. --hi int4"
-        " --lo int2+4; lo defaults to int2)",
+        help="hot experts' precision for dynaexq/combined (a low-bit one, e.g. --hi int4 --lo int2+4; lo"
+        " then defaults to int2; more than two tiers: --ladder)",
+    )
+    p.add_argument(
+        "--ladder",
+        default=None,
+        help="dynaexq/combined's precision tiers, hottest first, e.g. 'bf16>int4>int2': every expert keeps"
+        " its coldest version resident and the tiers above it share the rest of the budget (the hottest"
+        " experts in the top tier, the next in the next); sets --hi and --lo from its ends",
     )
     p.add_argument(
         "--cache-dir",
@@ -185,10 +192,11 @@ def engine_config_from_args(args) -> EngineConfig:
 
 
 def precision_options_from_args(args) -> dict:
-    """The `EngineConfig` fields of --hi, --host-versions, --lo-kernel, --cuda-graphs and --searcher
+    """The `EngineConfig` fields of --hi, --ladder, --host-versions, --lo-kernel, --cuda-graphs and --searcher
     (shared with `moetide bench`)."""
     return {
         "hi_precision": "hi" if args.hi_precision == "bf16" else args.hi_precision,
+        "ladder": args.ladder,
         "cache_dir": args.cache_dir,
         "host_versions": None
         if args.host_versions is None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .policies.registry import POLICY_NAMES, policy_spec
-from .store.formats import FORMATS, LOW_BIT_FORMATS, precision_names
+from .store.formats import FORMATS, LOW_BIT_FORMATS, ladder_name, parse_ladder, precision_names, user_name
 
 _UNITS = {
     "": 1,
@@ -91,6 +91,15 @@ class EngineConfig:
         hi_precision: what "hi" means for dynaexq/combined: "hi" (the checkpoint's precision) or a
             low-bit format with more bytes than `lo_precision` (e.g. "int4" hot over "int2+4" or
             "int2" cold; the lo precision then defaults to "int2").
+        ladder: DynaExq's precision ladder for dynaexq/combined, hottest first (a "bf16>int4>int2"
+            string or a tuple of `store.formats.FORMATS` names, each taking fewer bytes than the one
+            before): every expert keeps its coldest version resident, and each tier above it is a
+            pool of the budget's choosing (`residency.budget.split_ladder`) holding the next-hottest
+            experts. It sets `hi_precision` (its top) and `lo_precision` (its bottom); None = the
+            two-tier ladder `hi_precision > lo_precision`. Other policies ignore it, as they do --hi.
+        ladder_slots: the slots of each tier above the coldest (all layers; hi first), in place of the
+            budget's split: for tools that name tier sizes themselves (`moetide eval` counts them in
+            the bf16 layout, the same on every device). None (default): `split_ladder` decides.
         host_versions: expert versions kept in host memory after start-up ("hi", "lo"); None = all.
             A version can be dropped only where the device holds it for every expert for good.
         lo_kernel: how lo versions in the device's lo pool are computed at decode batch sizes:
@@ -131,6 +140,8 @@ class EngineConfig:
     seed: int = 0
     hi_precision: str = "hi"
     cache_dir: str | None = None  # where prepared lo versions are read and written (None: next to the model)
+    ladder: tuple[str, ...] | None = None
+    ladder_slots: tuple[int, ...] | None = None
     host_versions: tuple[str, ...] | None = None
     lo_kernel: str = "auto"
     cuda_graphs: str = "auto"
@@ -146,6 +157,14 @@ class EngineConfig:
             raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; choose one of: {', '.join(POLICIES)}")
+        if self.ladder is not None:
+            self._apply_ladder()
+        if self.ladder_slots is not None:
+            tiers = len(self.ladder or ("hi", "lo")) - 1
+            slots = tuple(self.ladder_slots)
+            if len(slots) != tiers or any(not isinstance(n, int) or n < 0 for n in slots):
+                raise ConfigError(f"ladder_slots needs {tiers} counts >= 0 (hi first), got {slots}")
+            object.__setattr__(self, "ladder_slots", slots)
         if self.lo_precision != "auto" and self.lo_precision not in LOW_BIT_FORMATS:
             names = ", ".join(("auto", *LOW_BIT_FORMATS))
             raise ConfigError(f"--lo must be one of {names}, got {self.lo_precision!r}")
@@ -191,6 +210,33 @@ class EngineConfig:
             bad = [v for v in self.host_versions if v not in ("hi", "lo")]
             if bad:
                 raise ConfigError(f"--host-versions takes hi and/or lo, got {bad[0]!r}")
+
+    def _apply_ladder(self) -> None:
+        """Parse `ladder` (ConfigError on a bad one) and set `hi_precision` / `lo_precision` from
+        its ends; an explicit --hi or --lo must agree with them."""
+        try:
+            ladder = parse_ladder(self.ladder)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        top, bottom = ladder[0], ladder[-1]
+        if self.hi_precision not in ("hi", top):
+            raise ConfigError(
+                f"--hi {user_name(self.hi_precision)} disagrees with --ladder {ladder_name(ladder)},"
+                f" whose top is {user_name(top)}; give one of them"
+            )
+        if self.lo_precision not in ("auto", bottom):
+            raise ConfigError(
+                f"--lo {self.lo_precision} disagrees with --ladder {ladder_name(ladder)}, whose bottom is"
+                f" {bottom}; give one of them"
+            )
+        object.__setattr__(self, "ladder", ladder)
+        object.__setattr__(self, "hi_precision", top)
+        object.__setattr__(self, "lo_precision", bottom)
+
+    @property
+    def mid_precisions(self) -> tuple[str, ...]:
+        """The ladder's tiers between its top and its bottom, hottest first (none for two tiers)."""
+        return self.ladder[1:-1] if self.ladder else ()
 
     @property
     def model_path(self) -> Path:

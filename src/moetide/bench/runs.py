@@ -226,6 +226,7 @@ def _moetide_result(config: EngineConfig, loaded, engine, load_s: float) -> dict
             "on_miss": config.on_miss,
             "prefetch_distance": config.prefetch_distance,
             "hi_precision": config.hi_precision,
+            "ladder": list(config.ladder) if config.ladder else None,
             "host_versions": list(config.host_versions) if config.host_versions is not None else None,
             "lo_kernel": config.lo_kernel,
             "cuda_graphs": config.cuda_graphs,
@@ -238,6 +239,7 @@ def _moetide_result(config: EngineConfig, loaded, engine, load_s: float) -> dict
         "plan": plan.describe() if plan is not None else None,
         "hi_slots": plan.hi_slots if plan is not None else None,
         "lo_slots": plan.lo_slots if plan is not None else None,
+        "mid_slots": list(plan.mid_slots) if plan is not None else None,
         "fixed_bytes": plan.fixed.total if plan is not None else None,
         "metrics": snapshot,
         "policy_stats": loaded.policy.stats()

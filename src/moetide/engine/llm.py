@@ -63,9 +63,10 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     """Build the policy object for `config.policy` and hook it to the model and the residency core.
 
     Residency-only policies (on-demand, static-*, no-offload) need no object: the memory mode is the
-    policy. dynaexq gets every hi slot for its hot set; combined gives half to DynaExq's hot set
-    and leaves half to FineMoE's prefetches. Neither is attached when no cap was given and the whole
-    model fits in hi (the residency's "all-hi" mode): then decode steps can be CUDA graphs.
+    policy. dynaexq gets every hi slot for its hot set (and every slot of a deeper ladder's middle
+    tiers for theirs); combined gives half of each to DynaExq and leaves half to FineMoE's
+    prefetches. Neither is attached when no cap was given and the whole model fits in hi (the
+    residency's "all-hi" mode): then decode steps can be CUDA graphs.
     """
     from ..policies import make_policy
     from ..policies.dynaexq import per_layer_hi_slots
@@ -81,9 +82,12 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     layers = len(loaded.moe_layers)
     experts = loaded.store.num_experts
     # DynaExq's hot set gets its share of the hi slots (PolicySpec.hi_share), spread over the layers
-    n_hi = None
+    n_hi, n_mid = None, ()
     if spec.hi_share is not None:
-        n_hi = per_layer_hi_slots(int(residency.plan.hi_slots * spec.hi_share), layers, experts)
+        n_hi, *n_mid = (
+            per_layer_hi_slots(int(slots * spec.hi_share), layers, experts)
+            for slots in residency.plan.upper_slots
+        )
     # --deterministic: searches inline, DynaExq's updates every DETERMINISTIC_UPDATE_STEPS steps
     timing = {"synchronous": True, "clock": step_clock(), "update_interval_s": DETERMINISTIC_UPDATE_STEPS}
     from ..residency.core import TABLE_LAG
@@ -98,6 +102,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
         lookahead=0 if in_step else TABLE_LAG,
         prefetch_distance=config.prefetch_distance,
         n_hi=n_hi,
+        n_mid=tuple(n_mid),
         map_store_path=config.extra.get("map_store_path"),
         searcher=config.searcher,
         **(timing if config.deterministic else {}),

@@ -99,8 +99,9 @@ def plan_for(config: EngineConfig, mb: ModelBytes, budget_bytes: int) -> MemoryP
     lo = spec.lo_precision or config.lo_precision
     lo = "int2" if lo == "auto" else lo
     hi = config.hi_precision if mode == "lo+hi" else "hi"
-    if hi != "hi":
+    if hi != "hi" and config.ladder is None:
         lo = "int2"
+    mids = config.mid_precisions if mode == "lo+hi" else ()
     return plan_memory(
         budget_bytes,
         mb.fixed_at(budget_bytes),
@@ -110,6 +111,8 @@ def plan_for(config: EngineConfig, mb: ModelBytes, budget_bytes: int) -> MemoryP
         min_hi_slots=mb.top_k,
         mode=mode,
         lo_precision=lo if needs_lo else None,
+        mid_slot_bytes=tuple(mb.slot_bytes(m) for m in mids),
+        upper_slots=config.ladder_slots if mode == "lo+hi" else None,
     )
 
 

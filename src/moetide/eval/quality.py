@@ -13,14 +13,19 @@ Configurations (all run through moetide's own loader and managed experts):
                 lo = COLD) at expert-memory budgets; every expert keeps its COLD version resident and
                 `n_hi` experts also hold a HOT copy, chosen at run time from router statistics.
                 `dynamic` and `dynamic-int4` are the names of bf16>int2 and int4>int2.
+    A>B>...>Z   a deeper ladder, e.g. int4>int2+4>int2: every expert keeps Z resident; the memory
+                above it is split over the tiers A..Y as the engine's budget plan splits it
+                (`residency.budget.split_ladder`: equal bytes per tier, counted here in the bf16
+                layout), the hottest experts in A, the next in B, ...
 
 Expert memory and bits per expert weight are counted from the bytes the store keeps in the bf16
 layout a GPU holds (`models.info.expert_bytes`: scales, offsets and alignment padding included),
 whatever the device the evaluation runs on, so a budget means the same number of hot experts on the
 CPU and on the GPU. A dynamic budget M gives `n_hi = (M - N * cold_bytes) // hot_bytes` hot experts
-(N = layers x experts), split over the layers as evenly as they go (`dynaexq.per_layer_hi_slots`);
-the device budget is then exactly the fixed part + N cold slots + n_hi hot slots in the device's own
-layout, so the memory plan holds what was asked.
+(N = layers x experts; a deeper ladder: `split_ladder` of M - N * cold_bytes), split over the layers
+as evenly as they go (`dynaexq.per_layer_hi_slots`); the device budget is then exactly the fixed part
++ N cold slots + those hot slots in the device's own layout (and the engine is given the tiers'
+sizes), so the memory plan holds what was asked.
 
 Budgets (`--budgets`): `mid` = halfway between static int2 and static int4 (the quality target's
 point), `int4` = the same memory as static int4, or a fraction f in (0, 1) = cold + f x (bf16 - cold).
@@ -53,7 +58,8 @@ from pathlib import Path
 from ..config import format_bytes
 from ..errors import ConfigError
 from ..policies.dynaexq import DynaExqScheduler
-from ..store.formats import FORMATS, normalize_precision, precision_names
+from ..residency.budget import split_ladder
+from ..store.formats import FORMATS, parse_ladder, precision_names, user_name
 
 STATIC = precision_names()  # "bf16", then every low-bit format, most bytes first
 LADDER_ALIASES = {"dynamic": "bf16>int2", "dynamic-int4": "int4>int2"}
@@ -74,21 +80,17 @@ SUMMARY_KEYS = {
 }
 
 
-def ladder_of(name: str) -> tuple[str, str] | None:
-    """(hot, cold) of a dynamic ladder name ("int4>int2+4" or an alias), None for a static one.
-    ConfigError when a part is not a format or the hot one does not take more bytes."""
+def ladder_of(name: str) -> tuple[str, ...] | None:
+    """The tiers of a dynamic ladder name, hottest first ("int4>int2+4", "bf16>int4>int2" or an
+    alias; "hi" is shown as "bf16"), None for a static one. ConfigError when a part is not a format
+    or a tier does not take fewer bytes than the one above it (`store.formats.parse_ladder`)."""
     name = LADDER_ALIASES.get(name, name)
     if ">" not in name:
         return None
-    hot, _, cold = name.partition(">")
-    order = list(FORMATS)  # most bytes first
     try:
-        hot_i, cold_i = order.index(normalize_precision(hot)), order.index(normalize_precision(cold))
-    except ValueError:
-        raise ConfigError(f"ladder {name!r}: use HOT>COLD with formats from {', '.join(STATIC)}") from None
-    if cold_i <= hot_i:
-        raise ConfigError(f"ladder {name!r}: the hot format must take more bytes than the cold one")
-    return ("bf16" if hot_i == 0 else hot), cold
+        return tuple(user_name(p) for p in parse_ladder(name))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -176,15 +178,23 @@ def expert_geometry(model_path: Path) -> ExpertGeometry:
 def dynamic_hi_experts(budget: str, geo: ExpertGeometry, hi: str = "bf16", cold: str = "int2") -> int:
     """Hot experts (all layers) that a dynamic budget buys (each costs a `hi` copy beside its resident
     `cold` one); the engine splits them over the layers (`dynaexq.per_layer_hi_slots`)."""
-    lo2, lo4, all_bf16, all_cold = (geo.static_bytes(p) for p in ("int2", "int4", "bf16", cold))
+    return ladder_experts(budget, geo, (hi, cold))[0]
+
+
+def ladder_experts(budget: str, geo: ExpertGeometry, ladder: tuple[str, ...]) -> list[int]:
+    """Experts (all layers) of each tier above the coldest that a dynamic budget buys, hottest first,
+    every expert keeping its coldest version: the memory above all-cold split as the engine's plan
+    splits it (`split_ladder`, in the bf16 layout's bytes). Two tiers: `(M - N * cold) // hot`."""
+    lo2, lo4, all_bf16, all_cold = (geo.static_bytes(p) for p in ("int2", "int4", "bf16", ladder[-1]))
     if budget == "mid":
         memory = (lo2 + lo4) / 2
     elif budget == "int4":
         memory = lo4
     else:
         memory = all_cold + float(budget) * (all_bf16 - all_cold)
-    n = int((memory - all_cold) // geo.ref_bytes[hi])
-    return max(0, min(geo.total, n))
+    room = max(0, int(memory - all_cold))
+    min_top = geo.top_k if len(ladder) > 2 else 0  # as the engine's plan (two tiers: the whole room)
+    return split_ladder(room, tuple(geo.ref_bytes[p] for p in ladder[:-1]), geo.total, min_top)
 
 
 def split_conversations(
@@ -208,22 +218,23 @@ def split_conversations(
 
 
 def _device_budget(
-    spec: EvalSpec, model_path: Path, geo: ExpertGeometry, n_hot: int, hot: str, cold: str
+    spec: EvalSpec, model_path: Path, geo: ExpertGeometry, upper: list[int], ladder: tuple[str, ...]
 ) -> int:
-    """Device bytes for a dynaexq run: fixed part + every cold slot + `n_hot` hot slots, device layout."""
+    """Device bytes for a dynaexq run: fixed part + every cold slot + `upper[t]` slots of each tier
+    above it (hottest first), in the device's layout."""
     from ..bench.budget import model_bytes
     from ..models.checkpoint import load_config
     from ..models.loader import resolve_device, resolve_dtype
     from ..store import quant
 
-    config = _engine_config(spec, model_path, "dynaexq", None, hot, cold)
+    config = _engine_config(spec, model_path, "dynaexq", None, ladder)
     mb = model_bytes(config)
     dtype = resolve_dtype(config.dtype, load_config(model_path), resolve_device(config.device))
-    cold_bytes = quant.nbytes_for(cold, geo.intermediate, geo.hidden, dtype)
-    hot_bytes = (
-        mb.hi_expert_bytes if hot == "bf16" else quant.nbytes_for(hot, geo.intermediate, geo.hidden, dtype)
-    )
-    return mb.fixed.total + geo.total * cold_bytes + n_hot * hot_bytes
+
+    def nbytes(p: str) -> int:
+        return mb.hi_expert_bytes if p == "bf16" else quant.nbytes_for(p, geo.intermediate, geo.hidden, dtype)
+
+    return mb.fixed.total + geo.total * nbytes(ladder[-1]) + sum(n * nbytes(p) for n, p in zip(upper, ladder))
 
 
 def _engine_config(
@@ -231,9 +242,11 @@ def _engine_config(
     model_path: Path,
     policy: str,
     budget_bytes: int | None,
-    hot: str = "bf16",
-    cold: str = "int2",
+    ladder: tuple[str, ...] = ("bf16", "int2"),
+    upper: list[int] | None = None,
 ):
+    """The engine for one configuration: `ladder` (hottest first), and with `upper` the sizes of its
+    tiers above the coldest (the eval's, counted in the bf16 layout)."""
     from ..config import EngineConfig
 
     return EngineConfig(
@@ -241,8 +254,8 @@ def _engine_config(
         device=spec.device,
         dtype=spec.dtype,
         policy=policy,
-        lo_precision=cold,
-        hi_precision=normalize_precision(hot),
+        ladder=ladder,
+        ladder_slots=tuple(upper) if upper is not None else None,
         gpu_memory_bytes=budget_bytes,
         max_num_seqs=spec.batch_size,
         max_model_len=spec.max_len,
@@ -288,30 +301,33 @@ def config_plan(spec: EvalSpec, model_path: Path, name: str, geo: ExpertGeometry
     """What one configuration runs: policy, device budget, hot/cold formats, hot experts, expert bytes
     (bf16 layout) and bits per expert weight."""
     ladder = ladder_of(name)
+    upper = None
     if ladder is not None:
-        hot, cold = ladder
-        n_hot = dynamic_hi_experts(budget, geo, hot, cold)
-        if n_hot < geo.layers:
+        upper = ladder_experts(budget, geo, ladder)
+        if sum(upper) < geo.layers:
             raise ConfigError(
-                f"budget {budget!r} buys {n_hot} hot experts, fewer than one per layer; raise it"
+                f"budget {budget!r} buys {sum(upper)} hot experts, fewer than one per layer; raise it"
             )
-        budget_bytes, policy = _device_budget(spec, model_path, geo, n_hot, hot, cold), "dynaexq"
-        expert_bytes = geo.static_bytes(cold) + n_hot * geo.ref_bytes[hot]
+        budget_bytes, policy = _device_budget(spec, model_path, geo, upper, ladder), "dynaexq"
+        expert_bytes = geo.static_bytes(ladder[-1]) + sum(n * geo.ref_bytes[p] for n, p in zip(upper, ladder))
+        tiers, n_hot = ladder, upper[0]
     elif name in STATIC_POLICY:
-        hot, cold, n_hot = ("bf16", "int2", geo.total) if name == "bf16" else ("bf16", name, 0)
+        tiers, n_hot = (("bf16", "int2"), geo.total) if name == "bf16" else (("bf16", name), 0)
         budget_bytes, policy, expert_bytes = None, STATIC_POLICY[name], geo.static_bytes(name)
     else:  # a format without a static policy: dynaexq that never promotes (every expert runs `name`)
-        hot, cold, n_hot = "bf16", name, 0
-        budget_bytes = _device_budget(spec, model_path, geo, geo.top_k, hot, cold)
+        tiers, n_hot = ("bf16", name), 0
+        budget_bytes = _device_budget(spec, model_path, geo, [geo.top_k], tiers)
         policy, expert_bytes = "dynaexq", geo.static_bytes(name)
     return {
         "policy": policy,
         "budget_bytes": budget_bytes,
         "dynamic": ladder is not None,
-        "hot": hot,
-        "cold": cold,
+        "ladder": list(tiers),
+        "hot": tiers[0],
+        "cold": tiers[-1],
         "hi_experts": n_hot,
-        "hi_precision": hot,
+        "tier_experts": upper,  # each tier above the coldest, hottest first (dynamic only)
+        "hi_precision": tiers[0],
         "expert_bytes": expert_bytes,
         "bits_per_weight": geo.bits_per_weight(expert_bytes),
     }
@@ -342,6 +358,7 @@ def _calibrate(loaded, tokenizer, spec: EvalSpec, calibration, residency) -> dic
         "loss": calib_loss,
         "resident": residency.resident_counts(),
         "n_hi_per_layer": list(scheduler.n_hi),
+        "n_per_layer": {name: row.tolist() for name, row in zip(scheduler.tiers, scheduler.capacity)},
     }
 
 
@@ -362,7 +379,9 @@ def evaluate_config(
     record: dict = {"name": name if budget is None else f"{name}@{budget}", "config": name, "budget": budget}
     plan = config_plan(spec, model_path, name, geo, budget)
     record.update(plan)
-    config = _engine_config(spec, model_path, plan["policy"], plan["budget_bytes"], plan["hot"], plan["cold"])
+    upper = plan["tier_experts"] if len(plan["ladder"]) > 2 else None  # (two tiers: the plan's own split)
+    ladder = tuple(plan["ladder"])
+    config = _engine_config(spec, model_path, plan["policy"], plan["budget_bytes"], ladder, upper)
     free_device()
     t0 = time.perf_counter()
     loaded, _, tokenizer = build_engine(config, progress=False)
@@ -465,8 +484,9 @@ def write_table(report: dict, path: Path) -> str:
             continue
         inc = r.get("loss_increase") or {}
         cells = " | ".join(f"{inc[c]:+.4f}" if c in inc else "n/a" for c in cols)
+        hot = "+".join(map(str, r["tier_experts"])) if r.get("tier_experts") else r["hi_experts"]
         lines.append(
-            f"| {r['name']} | {r['bits_per_weight']:.3f} | {format_bytes(r['expert_bytes'])} | {r['hi_experts']}"
+            f"| {r['name']} | {r['bits_per_weight']:.3f} | {format_bytes(r['expert_bytes'])} | {hot}"
             f" | {r['loss']['all']:.4f} | {cells} | {r['ppl']['all']:.3f} |"
         )
     lines.append("")

@@ -30,7 +30,8 @@ def make_policy(
     """The policy object for a `--policy` name (its `PolicySpec.factory` in `registry.py`).
 
     `n_hi` (hi experts per layer, see `dynaexq.n_hi_from_budget`) is required by "dynaexq" and
-    "combined". `map_store_path`: a saved FineMoE store to start from (FineMoE, combined).
+    "combined"; `n_mid=(per tier, ...)` (a `PolicyOptions` field) sizes a deeper ladder's middle
+    tiers. `map_store_path`: a saved FineMoE store to start from (FineMoE, combined).
     `searcher`: where FineMoE's searcher runs ("process", "thread"; `synchronous` runs it inline).
     """
     return policy_spec(name).build(

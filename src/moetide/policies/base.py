@@ -27,6 +27,24 @@ from typing import Protocol
 import torch
 
 
+def tier_names(depth: int) -> tuple[str, ...]:
+    """The names of a precision ladder's `depth` tiers, hottest first, as `ExpertSink.set_precision`
+    and the residency's pools know them: "hi" (the top), "mid1" ... "mid{depth-2}", "lo" (the
+    coldest, resident for every expert). `tier_names(2)` = ("hi", "lo")."""
+    if depth < 2:
+        raise ValueError(f"a ladder has at least two tiers, got {depth}")
+    return ("hi", *(f"mid{t}" for t in range(1, depth - 1)), "lo")
+
+
+def tier_rank(name: str) -> int:
+    """A tier name's place in any ladder, hottest first: "hi" 0, "mid<t>" t, "lo" after every other."""
+    if name == "hi":
+        return 0
+    if name.startswith("mid"):
+        return int(name[3:])
+    return 1 << 20
+
+
 class ExpertSink(Protocol):
     """Where policies send their decisions. Implementations must be thread-safe and non-blocking.
 
@@ -57,7 +75,8 @@ class ExpertSink(Protocol):
         """Experts predicted for `iteration`: eviction should spare them until `layer` has run."""
 
     def set_precision(self, layer: int, expert: int, precision: str) -> None:
-        """Ask for (layer, expert) to live in `precision` ("hi" or "lo"); deferred if memory is tight."""
+        """Ask for (layer, expert) to live in `precision`, a tier of the ladder (`tier_names`: "hi",
+        "mid<t>", "lo"); deferred if memory is tight. Its coldest version stays resident either way."""
 
 
 @dataclass

@@ -34,6 +34,7 @@ class PolicyOptions:
 
     prefetch_distance: int = 2
     n_hi: int | list[int] | None = None  # hi experts per layer (DynaExq's hot-set size)
+    n_mid: tuple = ()  # a deeper ladder's middle tiers, hottest first: experts per layer of each
     update_interval_s: float = 1.0
     hysteresis_margin: float = 0.25
     max_transitions_per_update: int | None = None
@@ -58,7 +59,8 @@ class PolicySpec:
     eviction: the device cache's eviction rule ("lru", or "prob-freq": FineMoE's probability x visits).
     predicts: a policy object observes the routers and steers the residency (else the memory mode
         alone is the policy).
-    hi_share: the share of hi slots given to DynaExq's hot set (the rest is left to prefetches).
+    hi_share: the share of hi slots (and of each middle tier's, with a deeper ladder) given to
+        DynaExq's tiers (the rest is left to prefetches).
     in_step: it predicts a step's later layers from its earlier ones, so in the engine it observes
         each layer as the step runs (`policies.in_step.LayerFeed`), not a step later. combined does
         not: a miss runs its resident lo version, so a late prediction costs little, while the feed
@@ -107,6 +109,7 @@ def _dynaexq(o: PolicyOptions, name: str = "dynaexq"):
         raise ValueError(f"policy {name!r} needs n_hi (hi experts per layer, from the memory budget)")
     return DynaExqScheduler(
         o.n_hi,
+        n_mid=o.n_mid,
         update_interval_s=o.update_interval_s,
         hysteresis_margin=o.hysteresis_margin,
         max_transitions_per_update=o.max_transitions_per_update,

@@ -148,17 +148,9 @@ def build_residency(
             mode, needs_lo = "all-hi", False  # no cap given and the whole model fits: nothing to offload
     lo = lo_precision_for(config, store, room)
     hi_precision = config.hi_precision if mode == "lo+hi" else "hi"
-    from pathlib import Path
-
-    from ..store.prepare import ensure_precision
-
-    cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else None
-    # under a cap the quantizer's batches stay inside it: what the expert pools will use later
-    quant_bytes = max(0, room) if config.gpu_memory_bytes is not None else None
-    for precision, needed in ((lo, needs_lo), (hi_precision, True)):
-        if needed and precision not in store.versions:
-            ensure_precision(store, config.model_path, precision, progress=progress, cache_dir=cache_dir,
-                             device_bytes=quant_bytes)  # fmt: skip
+    mids = config.mid_precisions if mode == "lo+hi" else ()  # a deeper ladder's middle tiers
+    precisions = (*((lo,) if needs_lo else ()), hi_precision, *mids)
+    _prepare_versions(config, store, precisions, room, progress)
     lo_bytes = store.bytes_per_expert(lo) if lo in store.versions else 0
     top_k = getattr(model_config, "num_experts_per_tok", 1)
     plan = plan_memory(
@@ -169,6 +161,8 @@ def build_residency(
         lo_slot_bytes=lo_bytes or hi_bytes,
         min_hi_slots=top_k,
         mode=mode,
+        mid_slot_bytes=tuple(store.bytes_per_expert(m) for m in mids),
+        upper_slots=config.ladder_slots if mode == "lo+hi" else None,
     )
     if config.kv_cache_tokens is None:  # a KV size the user gave is kept as it is
         plan = plan.with_spare_kv(
@@ -188,6 +182,7 @@ def build_residency(
         lo_precision=lo,
         on_miss=resolve_on_miss(spec.on_miss or config.on_miss, mode),
         hi_precision=hi_precision,
+        mid_precisions=mids,
         deterministic=config.deterministic,
     )
     manager = ResidencyManager(store, metrics, plan, tracker, transfer, device, options)
@@ -201,6 +196,23 @@ def build_residency(
     if config.host_versions is not None:
         drop_host_versions(store, config.host_versions, mode, plan, lo)
     return manager
+
+
+def _prepare_versions(
+    config: EngineConfig, store: HostExpertStore, precisions, room: int, progress: bool
+) -> None:
+    """Quantize (or read from the prepared cache) every version of `precisions` the store lacks;
+    under a cap the quantizer's batches stay inside `room`, what the expert pools will use later."""
+    from pathlib import Path
+
+    from ..store.prepare import ensure_precision
+
+    cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else None
+    quant_bytes = max(0, room) if config.gpu_memory_bytes is not None else None
+    for precision in precisions:
+        if precision not in store.versions:
+            ensure_precision(store, config.model_path, precision, progress=progress, cache_dir=cache_dir,
+                             device_bytes=quant_bytes)  # fmt: skip
 
 
 def drop_host_versions(

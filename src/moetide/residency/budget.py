@@ -1,7 +1,8 @@
 """The memory budget: `M_total = M_fixed + expert pools`, checked at start and on every expert slot.
 
 `M_fixed` = non-expert weights + KV-cache reservation + activation workspace + dequant scratch.
-What is left is split into a hi pool and a lo pool of fixed-size slots (see `MemoryPlan`). Every
+What is left is split into a hi pool and a lo pool of fixed-size slots (see `MemoryPlan`), and for a
+precision ladder of more than two tiers into one pool per tier between them (`split_ladder`). Every
 expert version that takes a slot first calls `BudgetTracker.try_reserve`; a failed reservation is
 deferred or triggers an eviction, never an allocation past the cap.
 """
@@ -84,7 +85,9 @@ class FixedCosts:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How the budget is split: fixed costs, then `hi_slots` and `lo_slots` expert slots."""
+    """How the budget is split: fixed costs, then `hi_slots` and `lo_slots` expert slots, and for a
+    deeper ladder `mid_slots[t]` slots of `mid_slot_bytes[t]` for each tier between hi and lo
+    (hottest first; pools "mid1", "mid2", ...)."""
 
     budget_bytes: int
     fixed: FixedCosts
@@ -92,10 +95,18 @@ class MemoryPlan:
     lo_slot_bytes: int
     hi_slots: int
     lo_slots: int
+    mid_slot_bytes: tuple[int, ...] = ()
+    mid_slots: tuple[int, ...] = ()
 
     @property
     def expert_bytes(self) -> int:
-        return self.hi_slots * self.hi_slot_bytes + self.lo_slots * self.lo_slot_bytes
+        mids = sum(n * b for n, b in zip(self.mid_slots, self.mid_slot_bytes, strict=True))
+        return self.hi_slots * self.hi_slot_bytes + self.lo_slots * self.lo_slot_bytes + mids
+
+    @property
+    def upper_slots(self) -> tuple[int, ...]:
+        """Slots of each tier above the coldest, hottest first: hi, then the middle tiers."""
+        return (self.hi_slots, *self.mid_slots)
 
     def with_spare_kv(self, kv_bytes_per_token: int, max_kv_tokens: int) -> MemoryPlan:
         """The budget the expert pools leave unused (they are capped at one slot per expert version)
@@ -122,8 +133,48 @@ class MemoryPlan:
             f"budget {format_bytes(self.budget_bytes)}: fixed {format_bytes(f.total)} (weights"
             f" {format_bytes(f.non_expert_weights)}, KV {format_bytes(f.kv_cache)}, activations"
             f" {format_bytes(f.activations)}, dequant {format_bytes(f.dequant_scratch)}); experts: {self.hi_slots} hi"
-            f" slots x {format_bytes(self.hi_slot_bytes)} + {self.lo_slots} lo slots x {format_bytes(self.lo_slot_bytes)}"
+            f" slots x {format_bytes(self.hi_slot_bytes)}"
+            + "".join(
+                f" + {n} mid{t} slots x {format_bytes(b)}"
+                for t, (n, b) in enumerate(zip(self.mid_slots, self.mid_slot_bytes, strict=True), 1)
+            )
+            + f" + {self.lo_slots} lo slots x {format_bytes(self.lo_slot_bytes)}"
         )
+
+
+def split_ladder(
+    room_bytes: int, tier_bytes: tuple[int, ...], num_experts_total: int, min_top: int = 0
+) -> list[int]:
+    """Slots of each tier above a ladder's coldest (hottest first, `tier_bytes` each, strictly
+    decreasing) in `room_bytes`, every expert keeping its coldest version beside them.
+
+    Each tier gets an equal share of the bytes (so a tier of half the bytes per expert holds twice the
+    experts: a pyramid, the hottest few in the top tier), the top tier at least `min_top` slots; a
+    tier holds no more slots than there are experts not already placed in the tiers above it, and
+    what its share cannot buy passes to the next tier down. Bytes still left then raise experts to
+    the hottest tier they pay for (an expert moves up when the difference fits; with room for every
+    expert in the top tier, all are there). One tier: `min(N, room // bytes)`."""
+    N, T = num_experts_total, len(tier_bytes)
+    slots, left = [0] * T, room_bytes
+    for t, nbytes in enumerate(tier_bytes):
+        share = left // (T - t)
+        want = share // nbytes if t else max(min_top, share // nbytes)
+        slots[t] = max(0, min(N - sum(slots), want, left // nbytes))
+        left -= slots[t] * nbytes
+    moved = True
+    while moved:  # spend what is left, hottest tier first: a new slot, else an expert moved up
+        moved = False
+        for t, nbytes in enumerate(tier_bytes):
+            if sum(slots) < N and left >= nbytes:
+                slots[t], left, moved = slots[t] + 1, left - nbytes, True
+                break
+            colder = next((j for j in range(t + 1, T) if slots[j]), None)
+            if colder is not None and left >= nbytes - tier_bytes[colder]:
+                slots[t], slots[colder] = slots[t] + 1, slots[colder] - 1
+                left -= nbytes - tier_bytes[colder]
+                moved = True
+                break
+    return slots
 
 
 def plan_memory(
@@ -136,6 +187,8 @@ def plan_memory(
     min_hi_slots: int,
     mode: str,
     lo_precision: str | None = None,
+    mid_slot_bytes: tuple[int, ...] = (),
+    upper_slots: tuple[int, ...] | None = None,
 ) -> MemoryPlan:
     """Split the budget left after `fixed` into expert slots.
 
@@ -145,6 +198,9 @@ def plan_memory(
         "hi-cache" all expert memory is a hi cache (on-demand, lru, finemoe, moe-infinity).
         "lo+hi"    every expert resident in lo, the rest a hi cache (dynaexq, combined); if lo does
                    not fit whole, it becomes a lo cache of what fits beside `min_hi_slots` hi slots.
+                   With `mid_slot_bytes` (a ladder's middle tiers, hottest first) the rest is split
+                   over hi and those tiers by `split_ladder`, or as `upper_slots` says (hi, then
+                   each middle tier; BudgetError if they do not fit).
     lo_precision: the lo version's name ("int4", "int2"), for the error messages only.
 
     The errors give the parts at this budget (the KV reservation in the fixed part grows with the
@@ -183,6 +239,26 @@ def plan_memory(
         return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, hi, 0)
     if mode == "lo+hi":
         lo = min(num_experts_total, (left - min_hi_slots * hi_slot_bytes) // lo_slot_bytes)
-        hi = min(num_experts_total, (left - lo * lo_slot_bytes) // hi_slot_bytes)
-        return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, hi, lo)
+        tier_bytes = (hi_slot_bytes, *mid_slot_bytes)
+        room = left - lo * lo_slot_bytes
+        if upper_slots is None:
+            upper = split_ladder(room, tier_bytes, num_experts_total, min_hi_slots)
+        else:
+            upper = _given_upper_slots(upper_slots, tier_bytes, room, fixed_part, budget_bytes)
+        mids = tuple(mid_slot_bytes), tuple(upper[1:])
+        return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, upper[0], lo, *mids)
     raise ValueError(f"unknown memory mode {mode!r}")
+
+
+def _given_upper_slots(upper_slots, tier_bytes, room: int, fixed_part: str, budget_bytes: int) -> list[int]:
+    """`upper_slots` (hi, then each middle tier) checked against the room the coldest tier leaves."""
+    if len(upper_slots) != len(tier_bytes) or any(n < 0 for n in upper_slots):
+        raise ValueError(f"upper_slots needs {len(tier_bytes)} counts >= 0, got {tuple(upper_slots)}")
+    need = sum(n * b for n, b in zip(upper_slots, tier_bytes, strict=True))
+    if need > room:
+        raise BudgetError(
+            f"--gpu-memory {format_bytes(budget_bytes)} is too small: {fixed_part}, every expert's coldest"
+            f" version and the ladder's {'+'.join(map(str, upper_slots))} upper-tier experts"
+            f" {format_bytes(need)} do not fit"
+        )
+    return list(upper_slots)

@@ -15,6 +15,13 @@ precision changes (the migration rate limit):
 Slots are taken from fixed pools after `BudgetTracker.try_reserve`; when a pool is full the least
 recently used version that is neither in use nor protected (predicted for this iteration) is
 evicted. A slot goes back to its free list only after the compute that last read it has finished.
+
+A precision ladder of more than two tiers (lo+hi mode, `ResidencyOptions.mid_precisions`) adds one
+pool per middle tier ("mid1", "mid2", ...: `policies.base.tier_names`) between hi and lo. Each
+expert's target is one tier; the table sends it to its hottest published version. A move to a
+colder tier drops the hotter version at once (the coldest is always resident) and copies the
+target's; a move to a hotter tier keeps the version it has until the new one is published, after
+which the old one is first in line when its pool needs a slot.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import BudgetError
+from ..policies.base import tier_names, tier_rank
 from ..store.host_store import HostExpertStore, hi_views
 from .budget import BudgetTracker, MemoryPlan
 from .handles import DeviceVersion, ExpertHandle
@@ -71,6 +79,8 @@ class ResidencyOptions:
     max_inflight_prefetches: int | None = None
     protect_iterations: int = 1
     hi_precision: str = "hi"  # the version the hi pool holds: "hi" (checkpoint precision) or a FORMATS name
+    # a deeper ladder's tiers between hi and lo, hottest first (pools "mid1", "mid2", ...; lo+hi mode)
+    mid_precisions: tuple[str, ...] = ()
     eviction: str = "lru"
     # publish copies only at step boundaries, after waiting for them (EngineConfig.deterministic)
     deterministic: bool = False
@@ -123,18 +133,15 @@ class ResidencyManager:
         self.transfer = transfer
         self.device = device
         self.options = options
-        self.pools = {
-            "hi": SlotPool("hi", plan.hi_slots, plan.hi_slot_bytes, device),
-            "lo": SlotPool("lo", plan.lo_slots, plan.lo_slot_bytes, device),
-        }
+        self._make_pools(plan, options, device)
         self.handles = [
             [ExpertHandle(l, e) for e in range(store.num_experts)] for l in range(store.num_layers)
         ]
-        self._lru = {"hi": OrderedDict(), "lo": OrderedDict()}  # (layer, expert) -> None, oldest first
+        self._lru = {name: OrderedDict() for name in self.tiers}  # (layer, expert) -> None, oldest first
         self._pending_free: deque = deque()  # (pool, slot, handle, event) waiting for their readers
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._prefetch_queue: deque = deque()  # (iteration, layer, expert)
-        self._precision_queue: OrderedDict = OrderedDict()  # (layer, expert) -> "hi" | "lo"
+        self._precision_queue: OrderedDict = OrderedDict()  # (layer, expert) -> a tier name
         self._protected: dict[tuple[int, int], int] = {}  # (layer, expert) -> iteration
         # prob-freq eviction: latest probability estimate and uses of each (layer, expert), (L, E)
         self._prob = np.zeros((store.num_layers, store.num_experts), dtype=np.float32)
@@ -179,6 +186,22 @@ class ResidencyManager:
                 for h in row:
                     h.target = "lo"
 
+    def _make_pools(self, plan: MemoryPlan, options: ResidencyOptions, device: torch.device) -> None:
+        """The ladder's pools, hottest first (`tiers`: "hi", the middle tiers' "mid1", ..., "lo"),
+        what each holds (`precision_of`) and their ids in the kernel's pool list (`pool_ids`)."""
+        self.tiers = tier_names(2 + len(options.mid_precisions))
+        middle = self.tiers[1:-1]
+        sizes = {"hi": (plan.hi_slots, plan.hi_slot_bytes), "lo": (plan.lo_slots, plan.lo_slot_bytes)}
+        sizes.update(zip(middle, zip(plan.mid_slots, plan.mid_slot_bytes, strict=True), strict=True))
+        self.pools = {name: SlotPool(name, *sizes[name], device) for name in self.tiers}
+        # "host": zero-copy reads of the host store's hi arena
+        self._precisions = {"hi": options.hi_precision, "lo": options.lo_precision, "host": "hi"}
+        self._precisions.update(zip(middle, options.mid_precisions, strict=True))
+        # a version's pool -> its index in `kernel_pools` and the slot tables; the middle tiers come
+        # after the three every ladder has
+        self.pool_ids = {"hi": 0, "lo": 1, "host": 2}
+        self.pool_ids.update((name, 3 + i) for i, name in enumerate(middle))
+
     # -- ExpertSink (any thread; never blocks) -----------------------------------------------------
     @property
     def capacity_experts(self) -> int:
@@ -203,7 +226,8 @@ class ResidencyManager:
         self._requests.put(("protect", layer, tuple(experts), iteration))
 
     def set_precision(self, layer: int, expert: int, precision: str) -> None:
-        self._requests.put(("precision", layer, expert, "hi" if precision == "hi" else "lo"))
+        """`precision`: a tier of this ladder ("hi", "mid<t>", "lo"); anything else means "lo"."""
+        self._requests.put(("precision", layer, expert, precision if precision in self.tiers else "lo"))
 
     # -- iteration bookkeeping ----------------------------------------------------------------------
     def begin_iteration(self, iteration: int) -> None:
@@ -280,10 +304,10 @@ class ResidencyManager:
 
     def _candidates(self, pool: str, *, protect_all: bool):
         """Evictable versions of `pool` in LRU order (landed, not in use, not protected when
-        `protect_all`): yields `(handle, cold, score)`. cold: in the hi pool of the lo+hi mode, the
-        precision policy wants it lo (those go first); score: probability x visits with prob-freq
-        eviction, else 0."""
-        prefer_cold = pool == "hi" and self.options.mode == "lo+hi"
+        `protect_all`): yields `(handle, cold, score)`. cold: in a pool above lo in the lo+hi mode,
+        the precision policy wants the expert in another tier (those go first); score: probability x
+        visits with prob-freq eviction, else 0."""
+        prefer_cold = pool != "lo" and self.options.mode == "lo+hi"
         scored = self.options.eviction == "prob-freq"
         for layer, expert in self._lru[pool]:
             h = self.handles[layer][expert]
@@ -292,14 +316,18 @@ class ResidencyManager:
             if not self._publish_if_ready(h.versions[pool]):  # a landed prefetch is evictable too
                 continue
             score = float(self._prob[layer, expert]) * int(self._visits[layer, expert]) if scored else 0.0
-            yield h, not prefer_cold or h.target == "lo", score
+            yield h, not prefer_cold or h.target != pool, score
 
-    def _victim(self, pool: str, *, protect_all: bool) -> ExpertHandle | None:
+    def _victim(self, pool: str, *, protect_all: bool, cold_only: bool = False) -> ExpertHandle | None:
         """The evictable version the eviction rule ranks first: least recently used, or with
-        "prob-freq" the lowest probability x visits (ties: least recently used); cold ones first."""
+        "prob-freq" the lowest probability x visits (ties: least recently used); cold ones first.
+        `cold_only`: never one the precision policy wants in this pool (a precision change waits
+        for a slot rather than undo another)."""
         by_score = self.options.eviction == "prob-freq"
         best = {True: None, False: None}  # cold? -> (score, handle)
         for h, cold, score in self._candidates(pool, protect_all=protect_all):
+            if cold_only and not cold:
+                continue
             if not by_score:
                 if cold:
                     return h
@@ -331,10 +359,13 @@ class ResidencyManager:
 
         return next_victim
 
-    def _take_slot(self, pool: str, *, may_evict: bool, may_wait: bool, next_victim=None) -> int | None:
+    def _take_slot(
+        self, pool: str, *, may_evict: bool, may_wait: bool, next_victim=None, cold_only: bool = False
+    ) -> int | None:
         """A free slot of `pool` with its budget reserved, evicting (and, if `may_wait`, waiting for
         a copy or a reader) when needed; None if none can be had. `next_victim`: a `_victim_queue`
-        for a burst of prefetches (used instead of a scan when no waiting is allowed)."""
+        for a burst of prefetches (used instead of a scan when no waiting is allowed). `cold_only`:
+        evict only versions the precision policy no longer wants there (`_victim`)."""
         p = self.pools[pool]
         if p.num_slots == 0:
             return None
@@ -347,8 +378,8 @@ class ResidencyManager:
                 if next_victim is not None and not may_wait:
                     victim = next_victim()
                 else:
-                    victim = self._victim(pool, protect_all=True) or (
-                        self._victim(pool, protect_all=False) if may_wait else None
+                    victim = self._victim(pool, protect_all=True, cold_only=cold_only) or (
+                        self._victim(pool, protect_all=False, cold_only=cold_only) if may_wait else None
                     )
                 if victim is None and may_wait:
                     victim = self._finish_oldest_copy(pool)
@@ -440,11 +471,12 @@ class ResidencyManager:
         return None
 
     # -- copies -----------------------------------------------------------------------------------------
-    def _precision_of(self, pool: str) -> str:
-        return self.options.hi_precision if pool == "hi" else self.options.lo_precision
+    def precision_of(self, pool: str) -> str:
+        """The precision a pool's versions hold ("hi" or a `store.formats.FORMATS` name)."""
+        return self._precisions[pool]
 
     def _start_copy(self, handle: ExpertHandle, pool: str, slot: int, priority: int) -> DeviceVersion:
-        precision = self._precision_of(pool)
+        precision = self.precision_of(pool)
         src = self.store.buffer(handle.layer, handle.expert, precision)
         dst = self.pools[pool].buffer(slot)[: src.numel()]
         event = self.transfer.copy(dst, src, priority, then=self._publishing_words(handle, pool, slot))
@@ -467,10 +499,11 @@ class ResidencyManager:
         that its version is live from the moment it lands, even in the middle of a step: the slot in
         this pool's row first, then the pool id (slot_table.py: a reader sees the old version or the
         new one). None under `deterministic` (versions appear at step boundaries only) or where the
-        entry would not change to this version (a lo copy under a resident hi version)."""
+        entry would not change to this version (a copy under a hotter version kept: the table sends
+        an expert to its hottest)."""
         if not self.table_mode or self.options.deterministic or self._static_table is not None:
             return []
-        if pool == "lo" and "hi" in handle.versions:
+        if any(tier_rank(other) < tier_rank(pool) for other in handle.versions):
             return []
         layer, expert, pid = handle.layer, handle.expert, self.pool_ids[pool]
         # the host's table takes the new slot at once: no reader looks in this pool's row for the
@@ -548,11 +581,12 @@ class ResidencyManager:
 
     def _prefetch_pool(self, h: ExpertHandle) -> str | None:
         """The pool a prefetch of `h` fills: the hi pool when there is one, except in the lo+hi mode
-        (combined), where the precision policy's target decides (a prefetch brings the expert in the
-        precision DynaExq chose; FineMoE only says when). None: no pool to fill."""
-        if self.options.mode == "lo+hi" and h.target == "lo":
-            return "lo" if self.pools["lo"].num_slots else None
-        return "hi" if self.pools["hi"].num_slots else ("lo" if self.pools["lo"].num_slots else None)
+        (combined), where the precision policy's target tier decides (a prefetch brings the expert
+        in the precision DynaExq chose; FineMoE only says when). None: no pool to fill."""
+        lo = "lo" if self.pools["lo"].num_slots else None
+        if self.options.mode == "lo+hi":
+            return h.target if h.target != "lo" and self.pools[h.target].num_slots else lo
+        return "hi" if self.pools["hi"].num_slots else lo
 
     def _victim_queues(self):
         """`pool -> next_victim` for a burst of prefetches, each pool ranked once, on first use."""
@@ -583,24 +617,54 @@ class ResidencyManager:
             while self._prefetch_queue:
                 self._issue_prefetch(*self._prefetch_queue.popleft(), victims_for=victims_for)
         budget = self.options.max_background_copies if budget is None else budget
+        waiting = []  # changes without a slot yet: asked again at the next call (admission control)
         while budget > 0 and self._precision_queue:
             (layer, expert), target = self._precision_queue.popitem(last=False)
-            h = self.handles[layer][expert]
             if self.options.mode != "lo+hi":
                 continue  # precision is fixed by the mode
+            h = self.handles[layer][expert]
             h.target = target
-            if target == "hi" and "hi" not in h.versions and self.pools["hi"].num_slots:
-                slot = self._take_slot("hi", may_evict=True, may_wait=False)
-                if slot is None:  # admission control: no reservation, no copy; lo keeps serving
-                    self.metrics.bump("deferred")
-                    continue
-                self._start_copy(h, "hi", slot, PRIORITY_MIGRATION)
-                self.metrics.bump("promotions")
+            outcome = self._move_to_target(h)
+            if outcome == "deferred":
+                waiting.append(((layer, expert), target))
+            elif outcome == "copied":
                 budget -= 1
-            elif target == "lo" and "hi" in h.versions and h.published("lo") is not None and not h.in_use:
-                if self._publish_if_ready(h.versions["hi"]):  # a hi copy still in flight is left to land
-                    self._evict(h, "hi")
-                    self.metrics.bump("demotions")  # the precision policy's demotions, not cache evictions
+        for key, target in waiting:  # (a newer request for the same expert, queued since, wins)
+            self._precision_queue.setdefault(key, target)
+
+    def _move_to_target(self, h: ExpertHandle) -> str:
+        """Bring `h` to its target tier (lo+hi mode): versions of hotter tiers are dropped at once
+        where a colder published one remains to run (a copy still in flight is left to land; it is
+        then cold, the first to go when its pool needs a slot); the target's version is copied into
+        a slot of its pool, evicting only versions their precision policy no longer wants there.
+        Returns "copied", "deferred" (no slot can be had now: the forward pass keeps its current
+        version) or "done" (nothing to copy)."""
+        target, rank = h.target, tier_rank(h.target)
+        for version in h.versions.values():  # landed copies count as what the expert has
+            self._publish_if_ready(version)
+        best = h.resolve()
+        before = tier_rank(best.pool) if best is not None else None
+        dropped = False
+        for pool in [p for p in h.versions if p != "lo" and tier_rank(p) < rank]:
+            colder = any(v.published for q, v in h.versions.items() if tier_rank(q) > tier_rank(pool))
+            if h.in_use or not colder or not self._publish_if_ready(h.versions[pool]):
+                continue
+            self._evict(h, pool)
+            dropped = True
+        outcome = "done"
+        if target != "lo" and target not in h.versions and self.pools[target].num_slots:
+            slot = self._take_slot(target, may_evict=True, may_wait=False, cold_only=True)
+            if slot is None:  # admission control: no reservation, no copy; what is resident keeps serving
+                self.metrics.bump("deferred")
+                return "deferred"
+            self._start_copy(h, target, slot, PRIORITY_MIGRATION)
+            outcome = "copied"
+        # one count per change of tier (the precision policy's, not cache evictions)
+        if outcome == "copied" and (before is None or rank < before):
+            self.metrics.bump("promotions")
+        elif (dropped or outcome == "copied") and before is not None and rank > before:
+            self.metrics.bump("demotions")
+        return outcome
 
     def _evicts(self, pool: str) -> bool:
         """Whether `pool` can ever need a victim: it has slots, fewer than there are experts."""
@@ -643,6 +707,7 @@ class ResidencyManager:
                 counters.misses += 1
             elif version.pool != demand_pool:
                 counters.lo_runs += 1  # lo ran in place of hi, without a stall: neither hit nor miss
+                counters.mid_runs += version.pool != "lo"  # (a middle tier's version, of a ladder)
             else:
                 counters.hits += 1
             h.in_use += 1
@@ -668,10 +733,13 @@ class ResidencyManager:
             del self._protected[key]
 
     def _usable(self, h: ExpertHandle, demand_pool: str, counters) -> DeviceVersion | None:
-        """A version of `h` to run now without a demand copy (the wanted one, or lo in its place);
-        None on a miss."""
+        """A version of `h` to run now without a demand copy (the wanted one, or in its place the
+        hottest published one below it: a middle tier's, else lo); None on a miss."""
         wanted = h.versions.get(demand_pool)
-        lo = h.published("lo") if demand_pool == "hi" else None
+        lo = None
+        if demand_pool == "hi":
+            below = (h.versions.get(name) for name in self.tiers[1:])
+            lo = next((v for v in below if v is not None and self._publish_if_ready(v)), None)
         run_lo = lo is not None and self.options.on_miss == "lo"
         if wanted is not None:
             if not self._publish_if_ready(wanted):
@@ -775,9 +843,9 @@ class ResidencyManager:
         return self._table_device[layer, 0], self._table_device[layer, 1:]
 
     def _entry(self, h: ExpertHandle) -> tuple[int, int]:
-        """Where the table sends expert `h`: its published hi version, else its published lo version,
+        """Where the table sends expert `h`: its hottest published version (hi, a middle tier's, lo),
         else (zero-copy) its hi version in host memory, else nowhere."""
-        for pool in ("hi", "lo"):
+        for pool in self.tiers:
             v = h.versions.get(pool)
             if v is not None and (h.layer, h.expert) not in self._parked[pool] and self._publish_if_ready(v):
                 return self.pool_ids[pool], v.slot
@@ -820,26 +888,29 @@ class ResidencyManager:
     def _observe_step(self, ran: np.ndarray, iteration: int) -> None:
         """Account one finished step (table mode, read one step late): `ran (L, E)` the pool each
         expert ran from as its layer read the table (`StepRecord.ran_from`; -2: not used). Each use
-        is a hit (the wanted version), a lo run (lo in place of hi) or a miss (read from host memory);
-        used versions are touched for LRU and counted for prob-freq eviction, and a miss asks for
-        its expert to be cached for the next steps."""
+        is a hit (the wanted version), a lo run (lo, or a ladder's middle tier, in place of hi) or a
+        miss (read from host memory); used versions are touched for LRU and counted for prob-freq
+        eviction, and a miss asks for its expert to be cached for the next steps."""
         used = ran != UNUSED
         hi_id, lo_id, host_id = self.pool_ids["hi"], self.pool_ids["lo"], self.pool_ids["host"]
         wanted = lo_id if self.options.mode == "all-lo" else hi_id
         hits = (ran == wanted).sum(axis=1)
-        lo_runs = (ran == lo_id).sum(axis=1) if wanted != lo_id else np.zeros(len(ran), int)
+        mid_ids = [self.pool_ids[name] for name in self.tiers[1:-1]]
+        mid_runs = np.isin(ran, mid_ids).sum(axis=1)
+        lo_runs = (ran == lo_id).sum(axis=1) + mid_runs if wanted != lo_id else np.zeros(len(ran), int)
         misses = ((ran == host_id) | (ran == NOT_RESIDENT)).sum(axis=1)
         for layer, counters in enumerate(self.metrics.layers):
             counters.used += int(used[layer].sum())
             counters.hits += int(hits[layer])
             counters.lo_runs += int(lo_runs[layer])
+            counters.mid_runs += int(mid_runs[layer])
             counters.misses += int(misses[layer])
         self._visits += used
-        names = {hi_id: "hi", lo_id: "lo"}
+        names = {self.pool_ids[name]: name for name in self.tiers}
         # only pools that evict need their LRU order kept (a lo pool holding every expert never does),
         # and only misses ask for anything: the rest of a batch-32 step's ~1,000 uses cost nothing here
         watched = (ran == host_id) | (ran == NOT_RESIDENT)
-        for name, pid in (("hi", hi_id), ("lo", lo_id)):
+        for pid, name in names.items():
             if self._evicts(name):
                 watched |= ran == pid
         for layer, expert in zip(*np.nonzero(watched), strict=True):
@@ -890,21 +961,21 @@ class ResidencyManager:
         if fixed_mode == pool and in_order and complete:
             self._fix_static_table(pool)
 
-    # a version's pool -> its index in `kernel_pools` and the slot tables ("host": zero-copy reads)
-    pool_ids = {"hi": 0, "lo": 1, "host": 2}
-
     def kernel_pools(self, dtype: torch.dtype) -> list:
-        """The pools as the MoE kernel reads them (`compute.slot_table.Pool`, indexed by `pool_ids`;
-        None for a pool without slots), packed formats dequantized to `dtype`."""
+        """The pools as the MoE kernel reads them (`compute.slot_table.Pool`, indexed by `pool_ids`:
+        hi, lo, the zero-copy host pool, then a ladder's middle tiers; None for a pool without
+        slots), packed formats dequantized to `dtype`."""
         if self._kernel_pools is None or self._kernel_pools[0] != dtype:
             from .slot_table import pool_for
 
             pools = []
-            for name in ("hi", "lo"):
-                pool, precision = self.pools[name], self._precision_of(name)
+            for name in sorted(self.pool_ids, key=self.pool_ids.get):
+                if name == "host":
+                    pools.append(self._zero_copy_pool(dtype))
+                    continue
+                pool, precision = self.pools[name], self.precision_of(name)
                 meta = self.store.meta.get(precision) if precision != "hi" else None
                 pools.append(pool_for(pool.arena, meta, self.store.shape, dtype) if pool.num_slots else None)
-            pools.append(self._zero_copy_pool(dtype))
             self._kernel_pools = (dtype, pools)
         return self._kernel_pools[1]
 
@@ -953,7 +1024,7 @@ class ResidencyManager:
                         v.published = True
 
     def resident_counts(self) -> dict[str, int]:
-        counts = {"hi": 0, "lo": 0}
+        counts = {name: 0 for name in self.tiers}
         for pool, lru in self._lru.items():
             counts[pool] = sum(1 for layer, e in lru if self.handles[layer][e].published(pool) is not None)
         return counts

@@ -1,17 +1,19 @@
 """Stable handles: one per (layer, expert), resolving to the active, fully materialised version.
 
-A handle holds at most one device version per pool ("hi" = checkpoint precision, "lo" = int4/int2).
+A handle holds at most one device version per pool: "hi" (the ladder's top: checkpoint precision or
+a hot format), a deeper ladder's middle tiers "mid1", "mid2", ... and "lo" (the coldest, int4/int2).
 A version is *published* only after its copy's completion event has been observed, so `resolve()`
 never returns a partially written version (publish-then-switch). The state is derived from the
 versions, so it can never disagree with them:
 
-    OFFLOADED    no device version
-    LOADING      a copy in flight, nothing published
-    RESIDENT_LO  lo published, no hi
-    RESIDENT_HI  hi published
-    PROMOTING    lo published, hi copy in flight
-    DEMOTING     hi published and its target is lo (the hi version is being given up)
-    EVICTING     its last version was released and waits for the compute that read it
+    OFFLOADED     no device version
+    LOADING       a copy in flight, nothing published
+    RESIDENT_LO   lo published, nothing hotter
+    RESIDENT_MID  a middle tier's version is the hottest published
+    RESIDENT_HI   hi published
+    PROMOTING     a version hotter than the hottest published one is in flight
+    DEMOTING      the hottest published version is hotter than the target (it is being given up)
+    EVICTING      its last version was released and waits for the compute that read it
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..policies.base import tier_rank
+
 
 class HandleState(enum.Enum):
     OFFLOADED = "offloaded"
     LOADING = "loading"
     RESIDENT_LO = "resident_lo"
+    RESIDENT_MID = "resident_mid"
     RESIDENT_HI = "resident_hi"
     PROMOTING = "promoting"
     DEMOTING = "demoting"
@@ -36,8 +41,8 @@ class HandleState(enum.Enum):
 class DeviceVersion:
     """One expert version in a device slot."""
 
-    pool: str  # "hi" | "lo"
-    precision: str  # "hi" | "int4" | "int2"
+    pool: str  # "hi" | "mid<t>" | "lo"
+    precision: str  # "hi" or a FORMATS name ("int4", "int2+4", ...)
     slot: int
     ready: object  # copy completion event
     views: dict[str, torch.Tensor]
@@ -55,7 +60,7 @@ class ExpertHandle:
     layer: int
     expert: int
     versions: dict[str, DeviceVersion] = field(default_factory=dict)  # pool -> version
-    target: str = "hi"  # precision the precision policy wants: "hi" or "lo"
+    target: str = "hi"  # the tier the precision policy wants: "hi", "mid<t>" or "lo"
     in_use: int = 0  # forward passes currently reading it
     evicting: int = 0  # released versions whose readers may still run
 
@@ -64,16 +69,22 @@ class ExpertHandle:
         return v if v is not None and v.published else None
 
     def resolve(self) -> DeviceVersion | None:
-        """The active complete version: hi if published, else lo if published, else None."""
-        return self.published("hi") or self.published("lo")
+        """The active complete version: the hottest published one (hi, a middle tier's, lo), or None."""
+        published = [v for v in self.versions.values() if v.published]
+        return min(published, key=lambda v: tier_rank(v.pool)) if published else None
 
     @property
     def state(self) -> HandleState:
-        hi, lo = self.versions.get("hi"), self.versions.get("lo")
-        if hi is not None and hi.published:
-            return HandleState.DEMOTING if self.target == "lo" else HandleState.RESIDENT_HI
-        if lo is not None and lo.published:
-            return HandleState.PROMOTING if hi is not None else HandleState.RESIDENT_LO
-        if hi is not None or lo is not None:
-            return HandleState.LOADING
-        return HandleState.EVICTING if self.evicting else HandleState.OFFLOADED
+        best = self.resolve()
+        if best is None:
+            if self.versions:
+                return HandleState.LOADING
+            return HandleState.EVICTING if self.evicting else HandleState.OFFLOADED
+        rank = tier_rank(best.pool)
+        if rank < tier_rank(self.target):
+            return HandleState.DEMOTING
+        if any(tier_rank(pool) < rank for pool in self.versions):
+            return HandleState.PROMOTING
+        if best.pool == "hi":
+            return HandleState.RESIDENT_HI
+        return HandleState.RESIDENT_MID if best.pool != "lo" else HandleState.RESIDENT_LO

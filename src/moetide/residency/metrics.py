@@ -14,6 +14,7 @@ class LayerCounters:
     hits: int = 0  # the wanted version was resident (hi; lo where lo is what the policy runs)
     lo_runs: int = 0  # the hi version was not resident and the resident lo version ran in its place
     misses: int = 0  # nothing usable was resident: loaded on demand (a stall)
+    mid_runs: int = 0  # of the lo runs, those that ran a ladder's middle tier (neither hi nor lo)
     stall_s: float = 0.0  # seconds the forward pass waited for on-demand loads
 
 
@@ -66,6 +67,10 @@ class ExpertMetrics:
         return sum(c.lo_runs for c in self.layers)
 
     @property
+    def mid_runs(self) -> int:
+        return sum(c.mid_runs for c in self.layers)
+
+    @property
     def stall_s(self) -> float:
         return sum(c.stall_s for c in self.layers)
 
@@ -83,6 +88,7 @@ class ExpertMetrics:
             "misses": self.misses,
             "hit_rate": round(self.hit_rate, 4),
             "lo_runs": self.lo_runs,
+            "mid_runs": self.mid_runs,
             "stall_s": round(self.stall_s, 6),
             "bytes_h2d": self.bytes_h2d,
             "copies": self.copies,
@@ -101,8 +107,8 @@ class ExpertMetrics:
             "peak_device_bytes": self.peak_device_bytes,
             "resident": resident or {},
             "per_layer": [
-                {"used": c.used, "hits": c.hits, "lo_runs": c.lo_runs, "misses": c.misses,
-                 "stall_s": round(c.stall_s, 6)}
+                {"used": c.used, "hits": c.hits, "lo_runs": c.lo_runs, "mid_runs": c.mid_runs,
+                 "misses": c.misses, "stall_s": round(c.stall_s, 6)}
                 for c in self.layers
             ],
         }

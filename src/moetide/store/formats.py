@@ -91,3 +91,47 @@ def format_spec(precision: str) -> FormatSpec:
 def user_name(precision: str) -> str:
     """The name shown to users: "hi" is shown as "bf16"."""
     return "bf16" if normalize_precision(precision) == "hi" else precision
+
+
+def nominal_bits(precision: str) -> float:
+    """Stored bits per expert weight of a format at its preferred group sizes, scales and offsets
+    (two float16 per group) included: gate_up holds 2/3 of an expert's weights, down 1/3. "hi" counts
+    as bf16 (16). Orders formats by their bytes without a model's shapes (int4 4.5, int2+4 3.0,
+    int2+2 2.5, int2 2.25); a calibrated format has the bits of its uncalibrated twin."""
+    spec = format_spec(precision)
+    if not spec.is_low_bit:
+        return 16.0
+
+    def matrix(bits: int, group: int | None) -> float:
+        return bits + 32 / (group or 64)
+
+    return 2 / 3 * matrix(spec.bits_gate_up, spec.group_size_gate_up) + 1 / 3 * matrix(
+        spec.bits_down, spec.group_size_down
+    )
+
+
+def parse_ladder(text: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """A precision ladder, hottest first: `"bf16>int4>int2"` (or a sequence of names) ->
+    `("hi", "int4", "int2")`. Every step down must take fewer bytes (`nominal_bits`). ValueError,
+    one line, naming the bad part."""
+    parts = [p.strip() for p in text.split(">")] if isinstance(text, str) else [str(p).strip() for p in text]
+    shown = text if isinstance(text, str) else ">".join(parts)
+    if len(parts) < 2 or any(not p for p in parts):
+        raise ValueError(f"ladder {shown!r}: give two or more formats, hottest first, e.g. bf16>int4>int2")
+    for p in parts:
+        if p not in HI_ALIASES and p not in FORMATS:
+            raise ValueError(f"ladder {shown!r}: unknown format {p!r}; use {', '.join(precision_names())}")
+    ladder = tuple(normalize_precision(p) for p in parts)
+    for hot, cold in zip(ladder, ladder[1:]):
+        if nominal_bits(cold) >= nominal_bits(hot):
+            raise ValueError(
+                f"ladder {shown!r}: each format must take fewer bytes than the one before it;"
+                f" {user_name(cold)} ({nominal_bits(cold):g} bits/weight) is not smaller than"
+                f" {user_name(hot)} ({nominal_bits(hot):g})"
+            )
+    return ladder
+
+
+def ladder_name(ladder: tuple[str, ...]) -> str:
+    """`("hi", "int4", "int2")` -> `"bf16>int4>int2"`."""
+    return ">".join(user_name(p) for p in ladder)
