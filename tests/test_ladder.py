@@ -489,3 +489,29 @@ def test_a_ladder_run_with_moves_between_tiers_stays_within_the_cap():
     assert residency.budget.peak_bytes <= plan.budget_bytes
     assert residency.budget.used_bytes <= plan.budget_bytes
     llm.close()
+
+
+@pytest.mark.gpu
+def test_a_ladder_on_cuda_decodes_the_cpu_tokens_while_experts_move_between_tiers():
+    """float32, --deterministic (tables depend on the request stream alone), the same tier sizes on
+    both devices: the three pools on CUDA (real copy streams, the fused kernel, CUDA graphs) give the
+    CPU's greedy tokens while the scheduler moves experts, with no host sync and within the cap."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = [[(i * 7919 + j) % 8000 + 100 for i in range(40)] for j in range(2)]
+    params = moetide.SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        llm = moetide.LLM(device=device, policy="dynaexq", ladder="bf16>int4>int2", gpu_memory="110MiB",
+                          ladder_slots=(9, 66), deterministic=True, max_num_seqs=2, dtype="float32")  # fmt: skip
+        try:
+            tokens = [o.token_ids for o in llm.generate(prompts, params)]
+            runs[device] = (tokens, llm.metrics.snapshot(), llm.loaded.policy.stats())
+            residency = llm.loaded.runtime.residency
+            assert residency.budget.peak_bytes <= residency.plan.budget_bytes
+        finally:
+            llm.close()
+    (cpu_tokens, _, _), (tokens, m, stats) = runs["cpu"], runs["cuda"]
+    assert stats["updates"] >= 2 and stats["promotions"] > 0
+    assert m["mid_runs"] > 0 and m["host_syncs"] == 0
+    assert tokens == cpu_tokens
