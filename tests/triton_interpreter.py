@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,33 +61,70 @@ def _command() -> tuple[list[str], dict]:
     }
     keyword = " or ".join(f"({k})" for k in KERNEL_TESTS.values())
     files = [str(tests / name) for name in KERNEL_TESTS]
-    return [sys.executable, "-m", "pytest", *files, "-q", "-rA", "-p", "no:cacheprovider", "-k", keyword], env
+    # one process (tests/conftest.py would give a plain pytest command xdist workers)
+    serial = ["-n", "0"] if importlib.util.find_spec("xdist") is not None else []
+    command = [sys.executable, "-m", "pytest", *files, "-q", "-rA", "-p", "no:cacheprovider", *serial, "-k", keyword]
+    return command, env
 
 
 _STARTED: subprocess.Popen | None = None
 
 
-def start_under_interpreter() -> None:
+def start_under_interpreter(folder: Path) -> None:
     """Start the interpreter run in the background (the test session calls this once it knows the
     interpreter test is collected): it takes minutes on one core while the rest of the suite uses
-    the other, instead of adding its minutes to the suite's."""
+    the other, instead of adding its minutes to the suite's.
+
+    The run writes into `folder`: `pid` at once, `stdout` and `stderr` as it goes, and `returncode`
+    once it has exited, so that another process of the session (an xdist worker) can wait for it."""
     global _STARTED
-    if _STARTED is None:
-        command, env = _command()
-        _STARTED = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if _STARTED is not None:
+        return
+    command, env = _command()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+        _STARTED = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+    _write_atomically(folder / "pid", str(_STARTED.pid))
+    process = _STARTED
+
+    def record_exit():
+        returncode = process.wait()
+        try:
+            _write_atomically(folder / "returncode", str(returncode))
+        except OSError:
+            pass  # the session ended first and removed the folder
+
+    threading.Thread(target=record_exit, name="interpreter-run", daemon=True).start()
 
 
-def run_under_interpreter() -> InterpreterRun:
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def run_under_interpreter(folder: Path, timeout_s: float = 900) -> InterpreterRun:
     """The kernel tests of `KERNEL_TESTS` with TRITON_INTERPRET=1 in one new process (one interpreter,
     torch and transformers start-up for all files; `-rA` lists each test's outcome): the background
-    run if one was started, else one now."""
-    start_under_interpreter()
-    try:
-        stdout, stderr = _STARTED.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        _STARTED.kill()
-        stdout, stderr = _STARTED.communicate()
-    result = subprocess.CompletedProcess(_STARTED.args, _STARTED.returncode, stdout, stderr)
+    run that wrote or writes into `folder` if one was started (by this process or another of the
+    session), else one started now."""
+    if not (folder / "pid").exists():
+        start_under_interpreter(folder)
+    done = folder / "returncode"
+    deadline = time.monotonic() + timeout_s
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not done.exists():  # past the timeout: end it, as a failed run
+        try:
+            os.kill(int((folder / "pid").read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    returncode = int(done.read_text()) if done.exists() else None
+    stdout, stderr = (folder / "stdout").read_text(), (folder / "stderr").read_text()
+    result = subprocess.CompletedProcess(_command()[0], returncode, stdout, stderr)
     return InterpreterRun(result, result.stdout[-3000:] + result.stderr[-2000:])
 
 

@@ -20,6 +20,7 @@ statistics fit in host memory.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 
@@ -182,7 +183,8 @@ def expert_hessians(
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        # a temporary name of this process's own: another process may be writing the same file
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         save_file({"gate_up": gate_up.contiguous(), "down": down.contiguous()}, str(tmp))
         tmp.replace(path)
     except OSError:

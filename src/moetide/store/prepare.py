@@ -180,7 +180,8 @@ def ensure_precision(
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        # a temporary name of this process's own: another process may be writing the same file
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         save_file(
             {"arena": store.versions[precision]}, str(tmp), metadata=_meta_record(store.meta[precision])
         )
