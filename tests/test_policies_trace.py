@@ -417,6 +417,8 @@ def test_the_searcher_process_starts_with_the_engine_and_ends_with_it():
         time.sleep(0.01)
     params = moetide.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     llm.generate(["def add(a, b):"], params)
+    feed = llm.loaded.policy_hooks.feed  # the layer feed publishes a step's events after the step
+    assert feed is None or feed.idle(60)
     assert policy.drain(timeout_s=60)
     stats = policy.stats()
     assert stats["searcher"] == "process" and stats["dropped_events"] == 0 and stats["errors"] == 0
