@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from test_bad_input import assert_one_line_error, run_cli
 from test_device_table import DeviceTableMachine, LaggingTransfer
+from test_policies_formulas import _observe, _sched
 from test_policies_formulas import RecordingSink
 from test_residency import EXPERTS, LAYERS, make_store
 
@@ -36,15 +37,7 @@ LADDER = ("hi", "int4", "int2")  # the residency tests' ladder: pools hi, mid1 (
 
 # -- the scheduler --------------------------------------------------------------------------------------
 def _ladder(n_hi, n_mid, J, L=1, **kw) -> tuple[DynaExqScheduler, RecordingSink]:
-    s = DynaExqScheduler(n_hi, n_mid=n_mid, clock=None, **kw)
-    sink = RecordingSink()
-    s.attach(sink, L, J, 1)
-    return s, sink
-
-
-def _observe(s, layer, counts):
-    ids = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)], dtype=torch.int64).view(-1, 1)
-    s.observe_layer(0, layer, None, ids)
+    return _sched(n_hi, L=L, J=J, n_mid=n_mid, **kw)
 
 
 def test_the_hottest_go_to_the_top_tier_the_next_to_the_middle_one():
