@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from test_bad_input import assert_one_line_error, run_cli
 from test_device_table import DeviceTableMachine, LaggingTransfer
-from test_policies_formulas import _observe, _sched
-from test_policies_formulas import RecordingSink
+from test_policies_formulas import RecordingSink, _observe, _sched
 from test_residency import EXPERTS, LAYERS, make_store
 
 import moetide
