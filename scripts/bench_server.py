@@ -51,6 +51,7 @@ class RequestRecord:
     tpot_s: float | None
     latency_s: float
     error: str | None = None
+    sent_at: float | None = None  # time.perf_counter() when the request was sent
 
 
 # -- prompts -------------------------------------------------------------------------------------------------
@@ -181,13 +182,15 @@ async def one_request(
                         last = now
     except httpx.HTTPError as e:
         return RequestRecord(
-            concurrency, len(prompt), None, 0, None, None, time.perf_counter() - sent, str(e)
+            concurrency, len(prompt), None, 0, None, None, time.perf_counter() - sent, str(e), sent
         )
     n = usage["completion_tokens"] if usage else 0
     ttft = first - sent if first is not None else None
     tpot = (last - first) / (n - 1) if first is not None and n > 1 else None
     prompt_tokens = usage["prompt_tokens"] if usage else None
-    return RequestRecord(concurrency, len(prompt), prompt_tokens, n, ttft, tpot, time.perf_counter() - sent)
+    return RequestRecord(
+        concurrency, len(prompt), prompt_tokens, n, ttft, tpot, time.perf_counter() - sent, None, sent
+    )
 
 
 def probe_texts(prompts: list[str], count: int, chars: int) -> list[str]:
@@ -205,6 +208,16 @@ def probe_texts(prompts: list[str], count: int, chars: int) -> list[str]:
 QUERIES, HITS = "moetide_prefix_cache_queries_total", "moetide_prefix_cache_hits_total"
 
 
+async def fit_text(ask, text: str, tokens: int) -> str:
+    """`text` cut to about `tokens` tokens, at its own characters per token (measured on two copies
+    that start differently, so they leave the server no usable prefix)."""
+    third, sixth = len(text) // 3, len(text) // 6
+    longer = await ask("calibration\n" + text[:third])
+    shorter = await ask("calibration\n" + text[:sixth])
+    counted = (longer.prompt_tokens or 0) - (shorter.prompt_tokens or 0)
+    return text[: int((third - sixth) / max(1, counted) * tokens)]
+
+
 async def prefix_probe(url: str, model: str, prompts: list[str], args) -> dict:
     """TTFT of a request whose long system prompt is new to the server, then of one that shares it."""
     questions = ("Summarize the text above in one sentence.", "What is the main topic of the text above?")
@@ -220,14 +233,7 @@ async def prefix_probe(url: str, model: str, prompts: list[str], args) -> dict:
         texts = probe_texts(prompts, args.prefix_probe_pairs, 6 * args.prefix_probe_tokens)
         pairs, queries, hits = [], 0.0, 0.0
         for text in texts:
-            # cut to about N tokens at the text's own characters per token, counted on copies that
-            # start differently (their blocks' chained hashes all differ: they leave no usable prefix)
-            third, sixth = len(text) // 3, len(text) // 6
-            longer = await ask("calibration\n" + text[:third], questions[0])
-            shorter = await ask("calibration\n" + text[:sixth], questions[0])
-            counted = (longer.prompt_tokens or 0) - (shorter.prompt_tokens or 0)
-            per_token = (third - sixth) / max(1, counted)
-            text = text[: int(per_token * args.prefix_probe_tokens)]
+            text = await fit_text(lambda t: ask(t, questions[0]), text, args.prefix_probe_tokens)
             before = scrape(url)
             first = await ask(text, questions[0])
             second = await ask(text, questions[1])
@@ -249,6 +255,58 @@ async def prefix_probe(url: str, model: str, prompts: list[str], args) -> dict:
         "ttft_ratio": second_ttft / first_ttft if first_ttft and second_ttft else None,
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
+    }
+
+
+async def long_prompt_probe(url: str, model: str, prompts: list[str], args) -> dict:
+    """TTFT of short requests that arrive while one long prompt is prefilled, under load.
+
+    `--long-probe-clients` closed-loop clients send short prompts (`--long-probe-output-len` tokens
+    out); after `--long-probe-lead-s` one request with a new prompt of about `--long-probe-tokens`
+    tokens joins. Short requests sent before it are the baseline; those sent between it and its first
+    token arrived behind it (a chunked prefill lets them in between its chunks)."""
+    short_args = argparse.Namespace(**{**vars(args), "output_len": args.long_probe_output_len})
+    limits = httpx.Limits(max_connections=args.long_probe_clients + 8)
+    client = httpx.AsyncClient(base_url=url, timeout=args.request_timeout, limits=limits)
+    records: list[RequestRecord] = []
+    stop = asyncio.Event()
+
+    async def ask(text: str) -> RequestRecord:
+        return await one_request(client, model, text, short_args, 1)
+
+    async def worker(w: int):
+        r = 0
+        while not stop.is_set():
+            prompt = prompts[(w * 997 + r) % len(prompts)]
+            records.append(await one_request(client, model, prompt, short_args, args.long_probe_clients))
+            r += 1
+
+    try:
+        text = probe_texts(prompts[len(prompts) // 3 :], 1, 8 * args.long_probe_tokens)[0]
+        text = await fit_text(ask, text, args.long_probe_tokens)
+        workers = [asyncio.create_task(worker(w)) for w in range(args.long_probe_clients)]
+        await asyncio.sleep(args.long_probe_lead_s)
+        long_record = await one_request(client, model, text, short_args, args.long_probe_clients)
+        await asyncio.sleep(args.long_probe_lead_s / 2)  # requests sent just before the first token finish
+        stop.set()
+        await asyncio.gather(*workers)
+    finally:
+        await client.aclose()
+    start = long_record.sent_at
+    end = start + (long_record.ttft_s or long_record.latency_s)
+    ok = [r for r in records if r.error is None and r.ttft_s is not None]
+    before = [r.ttft_s for r in ok if r.sent_at < start]
+    behind = [r.ttft_s for r in ok if start <= r.sent_at < end]
+    return {
+        "target_tokens": args.long_probe_tokens,
+        "clients": args.long_probe_clients,
+        "long": asdict(long_record),
+        "short_before": {"n": len(before), "ttft_p50_s": percentile(before, 0.5),
+                         "ttft_p90_s": percentile(before, 0.9)},  # fmt: skip
+        "short_behind": {"n": len(behind), "ttft_p50_s": percentile(behind, 0.5),
+                         "ttft_p90_s": percentile(behind, 0.9),
+                         "ttft_max_s": max(behind) if behind else None},  # fmt: skip
+        "errors": sum(r.error is not None for r in records),
     }
 
 
@@ -375,6 +433,17 @@ def main(argv: list[str] | None = None) -> int:
         "--prefix-probe-tokens", type=int, default=0, help="shared system prompt length for the prefix probe"
     )
     parser.add_argument("--prefix-probe-pairs", type=int, default=3)
+    parser.add_argument(
+        "--long-probe-tokens",
+        type=int,
+        default=0,
+        help="length of the long prompt that joins a load of short requests (the long-prompt probe)",
+    )
+    parser.add_argument("--long-probe-clients", type=int, default=16)
+    parser.add_argument("--long-probe-output-len", type=int, default=32)
+    parser.add_argument(
+        "--long-probe-lead-s", type=float, default=2.0, help="seconds of load before the long prompt joins"
+    )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args, serve_args = parser.parse_known_args(argv)
     if args.word_ids and args.endpoint != "completions":
@@ -400,6 +469,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"[bench] prefix probe: TTFT {probe['first_ttft_s_median']} s new, "
                 f"{probe['second_ttft_s_median']} s shared (ratio {probe['ttft_ratio']}), "
                 f"{probe['prefix_cache_hits']:.0f} of {probe['prefix_cache_queries']:.0f} prompt tokens hit",
+                file=sys.stderr,
+                flush=True,
+            )
+        long_probe = None
+        if args.long_probe_tokens:
+            long_probe = asyncio.run(long_prompt_probe(url, model, prompts, args))
+            behind, before = long_probe["short_behind"], long_probe["short_before"]
+            print(
+                f"[bench] long-prompt probe: {long_probe['long']['prompt_tokens']} tokens, TTFT"
+                f" {long_probe['long']['ttft_s']} s; short requests behind it: TTFT p50/p90"
+                f" {behind['ttft_p50_s']} / {behind['ttft_p90_s']} s (n={behind['n']}), before it"
+                f" {before['ttft_p50_s']} / {before['ttft_p90_s']} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -436,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_prompts": len(prompts),
             "levels": levels,
             "prefix_probe": probe,
+            "long_prompt_probe": long_probe,
             "requests": [asdict(r) for r in all_records],
         }
         Path(args.out).write_text(json.dumps(result, indent=2))

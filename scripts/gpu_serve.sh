@@ -5,7 +5,8 @@
 #   gputests   the paged-KV / graphed-decode GPU tests
 #   demo       the demo model, combined at 1 GiB (the setting of the first serving run)
 #   olmoe      the OLMoE-1B-7B shape (random weights, a word tokenizer: the prompts' words go as token
-#              ids, `--word-ids`), combined at 4 GiB
+#              ids, `--word-ids`), combined at 4 GiB, with the prefix and long-prompt probes
+#   olmoe_kv   the same at 64 clients for each KV reservation in KV_TOKENS (e.g. "4096 8192")
 # BASELINES: source trees to A/B against (each a directory holding a `moetide` package), at 32
 # clients (DEMO_BASELINES, if set, for the demo step). Needs fastapi/uvicorn/pydantic carried as wheels in .whl (the image has none of them).
 set -u
@@ -23,6 +24,9 @@ T() { local left=$((DEADLINE - SECONDS)); [ $left -lt 1 ] && left=1; if [ $left 
 DEMO=$PWD/src/moetide/demo_model
 OLMOE=/tmp/moetide-synthetic/olmoe-1b-7b
 LEVEL_ARGS="--requests-per-client ${RPC:-2} --output-len ${OUTPUT_LEN:-64} --warmup-requests 2"
+# the long-prompt probe: a ~2k-token prompt joins 16 clients of short requests (LONG_TOKENS=0: off)
+LONG_ARGS="--long-probe-tokens ${LONG_TOKENS:-2000} --long-probe-clients 16"
+SERVE_EXTRA=${SERVE_EXTRA:-}  # more `moetide serve` options for this tree's server (e.g. --kv-cache-tokens)
 for base in ${BASELINES:-}; do  # a source tree without the package data: take this tree's
   for d in demo_model data; do [ -e "$base/moetide/$d" ] || cp -r "src/moetide/$d" "$base/moetide/$d"; done
 done
@@ -47,13 +51,19 @@ for step in "$@"; do
     olmoe)
       [ -f $OLMOE/model.safetensors.index.json ] || timeout $(T 120) python3 -c \
         "from moetide.bench.synthetic import write_synthetic_checkpoint as w; w('olmoe-1b-7b', '$OLMOE', progress=False)"
-      serve olmoe_serve 200 --endpoint completions --word-ids 50304 --concurrency 32 64 $LEVEL_ARGS --prefix-probe-tokens 1000 -- \
-        --model $OLMOE --policy combined --gpu-memory 4GiB --max-num-seqs 64 --cache-dir /tmp/moetide-cache
+      serve olmoe_serve 220 --endpoint completions --word-ids 50304 --concurrency 32 64 $LEVEL_ARGS --prefix-probe-tokens 1000 \
+        $LONG_ARGS -- --model $OLMOE --policy combined --gpu-memory 4GiB --max-num-seqs 64 --cache-dir /tmp/moetide-cache $SERVE_EXTRA
       for base in ${BASELINES:-}; do
         name=$(basename $(dirname $base)); cache=""  # an older version may not take --cache-dir
         grep -q -- '"--cache-dir"' $base/moetide/cli.py && cache="--cache-dir /tmp/moetide-cache-$name"
-        serve "olmoe_serve_$name" 150 --server-src $base --endpoint completions --word-ids 50304 --concurrency 32 \
-          $LEVEL_ARGS -- --model $OLMOE --policy combined --gpu-memory 4GiB --max-num-seqs 64 $cache
+        serve "olmoe_serve_$name" 170 --server-src $base --endpoint completions --word-ids 50304 --concurrency 32 \
+          $LEVEL_ARGS $LONG_ARGS -- --model $OLMOE --policy combined --gpu-memory 4GiB --max-num-seqs 64 $cache
+      done ;;
+    olmoe_kv) # 64 clients with a KV reservation of KV_TOKENS tokens (no probes): the KV / expert-cache trade
+      for kv in ${KV_TOKENS:-8192}; do
+        serve "olmoe_serve_kv$kv" 120 --endpoint completions --word-ids 50304 --concurrency 64 $LEVEL_ARGS -- \
+          --model $OLMOE --policy combined --gpu-memory 4GiB --max-num-seqs 64 --cache-dir /tmp/moetide-cache \
+          --kv-cache-tokens $kv
       done ;;
     prefill) # where a prefill step's time goes, in one process (no server)
       [ -f $OLMOE/model.safetensors.index.json ] || timeout $(T 120) python3 -c \

@@ -176,6 +176,7 @@ def assert_refused_before_load(proc: subprocess.CompletedProcess, *fragments: st
         (["--top-p", "1.5"], ["top_p must be in (0, 1]"]),
         (["--temperature", "-1"], ["temperature must be a finite number >= 0"]),
         (["--max-tokens", "ten"], ["--max-tokens", "invalid int value"]),
+        (["--kv-cache-tokens", "0"], ["--kv-cache-tokens must be a whole number of tokens >= 1", "0"]),
     ],
 )
 def test_bad_generate_options_are_one_line_before_the_load(qwen3_checkpoint, args, fragments):

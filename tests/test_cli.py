@@ -116,3 +116,14 @@ def test_a_command_whose_dependency_is_missing_says_what_to_install_and_the_othe
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: moetide serve needs the uvicorn package: pip install uvicorn"]
     assert cli.build_parser().parse_args(["bench", "--policy", "lru"]).func.__name__ == "cmd_bench"
+
+
+def test_kv_cache_tokens_reaches_the_engine_config():
+    """`--kv-cache-tokens` sizes the paged KV reservation (EngineConfig.kv_cache_tokens); unset, the
+    memory plan derives it."""
+    from moetide.cli import build_parser, engine_config_from_args
+
+    parser = build_parser()
+    given = engine_config_from_args(parser.parse_args(["serve", "--device", "cpu", "--kv-cache-tokens", "8192"]))
+    derived = engine_config_from_args(parser.parse_args(["serve", "--device", "cpu"]))
+    assert (given.kv_cache_tokens, derived.kv_cache_tokens) == (8192, None)

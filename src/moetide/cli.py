@@ -121,6 +121,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="tokens of paged KV cache to reserve inside --gpu-memory (default: a tenth of the budget,"
+        " at least one full-length sequence, plus whatever the expert pools leave); more admits more"
+        " sequences at once, less leaves more room for experts",
+    )
+    p.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
@@ -183,6 +191,7 @@ def engine_config_from_args(args) -> EngineConfig:
         prefetch_distance=args.prefetch_distance,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
         prefix_caching=getattr(args, "prefix_caching", True),
         **precision_options_from_args(args),
     )

@@ -190,6 +190,9 @@ class EngineConfig:
             raise ConfigError(f"prefetch distance must be >= 1 layer, got {self.prefetch_distance}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        kv_tokens = self.kv_cache_tokens
+        if kv_tokens is not None and (not isinstance(kv_tokens, int) or kv_tokens < 1):
+            raise ConfigError(f"--kv-cache-tokens must be a whole number of tokens >= 1, got {kv_tokens!r}")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
             raise ConfigError("--gpu-memory must be a positive size such as 6GiB")
         if not str(self.model):
