@@ -36,6 +36,10 @@ serve() {  # serve NAME SECONDS BENCH-ARGS... -- SERVE-ARGS...
     | grep -v "loading weights\|it/s\]\|Warn" | tail -9
   pkill -f "moetide.cli serve" ; sleep 1 ; true
 }
+synthetic_olmoe() {  # the OLMoE-shape checkpoint (random weights), written once per machine
+  [ -f $OLMOE/model.safetensors.index.json ] || timeout $(T 120) python3 -c \
+    "from moetide.bench.synthetic import write_synthetic_checkpoint as w; w('olmoe-1b-7b', '$OLMOE', progress=False)"
+}
 for step in "$@"; do
   echo "=== $step $(date +%T), $((DEADLINE - SECONDS)) s left"
   case "$step" in
@@ -49,8 +53,7 @@ for step in "$@"; do
           --model $DEMO --policy combined --gpu-memory 1GiB --max-num-seqs 64
       done ;;
     olmoe)
-      [ -f $OLMOE/model.safetensors.index.json ] || timeout $(T 120) python3 -c \
-        "from moetide.bench.synthetic import write_synthetic_checkpoint as w; w('olmoe-1b-7b', '$OLMOE', progress=False)"
+      synthetic_olmoe
       serve olmoe_serve 220 --endpoint completions --word-ids 50304 --concurrency 32 64 $LEVEL_ARGS --prefix-probe-tokens 1000 \
         $LONG_ARGS -- --model $OLMOE --policy combined --gpu-memory 4GiB --max-num-seqs 64 --cache-dir /tmp/moetide-cache $SERVE_EXTRA
       for base in ${BASELINES:-}; do
@@ -60,14 +63,14 @@ for step in "$@"; do
           $LEVEL_ARGS $LONG_ARGS -- --model $OLMOE --policy combined --gpu-memory 4GiB --max-num-seqs 64 $cache
       done ;;
     olmoe_kv) # 64 clients with a KV reservation of KV_TOKENS tokens (no probes): the KV / expert-cache trade
+      synthetic_olmoe
       for kv in ${KV_TOKENS:-8192}; do
         serve "olmoe_serve_kv$kv" 120 --endpoint completions --word-ids 50304 --concurrency 64 $LEVEL_ARGS -- \
           --model $OLMOE --policy combined --gpu-memory 4GiB --max-num-seqs 64 --cache-dir /tmp/moetide-cache \
           --kv-cache-tokens $kv
       done ;;
     prefill) # where a prefill step's time goes, in one process (no server)
-      [ -f $OLMOE/model.safetensors.index.json ] || timeout $(T 120) python3 -c \
-        "from moetide.bench.synthetic import write_synthetic_checkpoint as w; w('olmoe-1b-7b', '$OLMOE', progress=False)"
+      synthetic_olmoe
       timeout $(T ${PREFILL_S:-240}) python3 scripts/profile_prefill.py --out "$OUT/prefill.json" \
         --config demo:combined:1GiB --config $OLMOE:combined:4GiB --config $OLMOE:static-int2:4GiB \
         --config $OLMOE:no-offload 2>&1 | grep "^{" ;;

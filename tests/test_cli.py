@@ -127,3 +127,13 @@ def test_kv_cache_tokens_reaches_the_engine_config():
     given = engine_config_from_args(parser.parse_args(["serve", "--device", "cpu", "--kv-cache-tokens", "8192"]))
     derived = engine_config_from_args(parser.parse_args(["serve", "--device", "cpu"]))
     assert (given.kv_cache_tokens, derived.kv_cache_tokens) == (8192, None)
+
+
+def test_the_server_sizes_its_kv_for_max_num_seqs_and_generate_does_not():
+    from moetide.cli import build_parser, engine_config_from_args
+    from moetide.config import SERVE_KV_TOKENS_PER_SEQ
+    from moetide.serve.cli import serve_engine_config
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--max-num-seqs", "64"])
+    assert serve_engine_config(args).kv_tokens_per_seq == SERVE_KV_TOKENS_PER_SEQ > 0
+    assert engine_config_from_args(args).kv_tokens_per_seq == 0

@@ -710,3 +710,28 @@ def test_every_allocation_of_a_budgeted_run_fits_the_cap():
     assert weights + pools + transient_peak <= plan.budget_bytes
     assert residency.budget.peak_bytes <= plan.budget_bytes
     llm.close()
+
+
+def test_the_servers_kv_floor_holds_a_chat_turn_per_sequence_up_to_a_quarter_of_the_budget():
+    """`kv_tokens_per_seq` (what `moetide serve` asks for) raises the derived KV reservation to that
+    many tokens per sequence of max_num_seqs, but never past a quarter of the budget; without it the
+    reservation is a tenth of the budget or one full-length sequence, whichever is more."""
+    from moetide.engine.llm import demo_model_path
+    from moetide.engine.memory import model_bytes
+    from moetide.residency import kv_bytes_per_token
+
+    def kv_tokens(budget, seqs, per_seq):
+        config = EngineConfig(model=str(demo_model_path()), device="cpu", gpu_memory_bytes=budget,
+                              max_num_seqs=seqs, kv_tokens_per_seq=per_seq)  # fmt: skip
+        return model_bytes(config).fixed.kv_cache_tokens
+
+    from transformers import AutoConfig
+
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(demo_model_path()), torch.float32)
+    budget = 128 << 20
+    tenth, quarter = budget // 10 // per_token, budget // 4 // per_token
+    assert tenth < 2048 < 24 * 128 < quarter < 64 * 128  # the cases below are distinct
+    assert kv_tokens(budget, 24, 0) == 2048  # one full-length sequence of the demo model
+    assert kv_tokens(budget, 8, 128) == 2048  # 8 x 128 is less than that
+    assert kv_tokens(budget, 24, 128) == 24 * 128
+    assert kv_tokens(budget, 64, 128) == quarter

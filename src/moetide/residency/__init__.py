@@ -91,8 +91,11 @@ def fixed_costs(
     max_len = config.max_model_len or getattr(model_config, "max_position_embeddings", 2048)
     if config.kv_cache_tokens is not None:
         kv_tokens = config.kv_cache_tokens
-    else:  # a tenth of the budget, enough for at least one full-length sequence (more if the pools leave room)
-        kv_tokens = min(max_kv_tokens(config, model_config), max(max_len, budget_bytes // 10 // per_token))
+    else:  # a tenth of the budget, at least one full-length sequence and, up to a quarter of the
+        # budget, `kv_tokens_per_seq` per sequence (more if the pools leave room: `with_spare_kv`)
+        per_seq = min(config.max_num_seqs * config.kv_tokens_per_seq, budget_bytes // 4 // per_token)
+        tenth = budget_bytes // 10 // per_token
+        kv_tokens = min(max_kv_tokens(config, model_config), max(max_len, tenth, per_seq))
     elt = torch.empty((), dtype=dtype).element_size()
     hidden = model_config.hidden_size
     heads = model_config.num_attention_heads

@@ -8,13 +8,14 @@ SIGINT / SIGTERM: stop accepting connections and requests, let in-flight request
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
 
 from ..cli import add_engine_args, engine_config_from_args
-from ..config import EngineConfig
+from ..config import SERVE_KV_TOKENS_PER_SEQ, EngineConfig
 from ..errors import ConfigError
 from .http import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, is_loopback
 
@@ -98,6 +99,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return api_key
 
 
+def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine options of `moetide serve`: as every command's, but for concurrent clients the
+    derived KV reservation holds a chat turn for each of `--max-num-seqs` (SERVE_KV_TOKENS_PER_SEQ)."""
+    return dataclasses.replace(engine_config_from_args(args), kv_tokens_per_seq=SERVE_KV_TOKENS_PER_SEQ)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -114,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    config = engine_config_from_args(args)
+    config = serve_engine_config(args)
     loaded, engine, tokenizer = build_engine(config, progress=not args.quiet)
     async_engine = AsyncEngine(engine, loaded=loaded, max_queue=args.max_queue)
     name = served_model_name(config, args.served_model_name)
