@@ -31,6 +31,7 @@ def kernel_device() -> str:
 # The kernel tests of each file, selected by name (a module name would select a whole file).
 KERNEL_TESTS = {
     "test_fused_moe.py": "fused_kernel and not under_interpreter",
+    "test_paged_attention.py": "paged_kernel and not under_interpreter",
 }
 
 

@@ -31,6 +31,7 @@ _UNITS = {
 POLICIES = POLICY_NAMES  # every --policy name, declared once in policies/registry.py
 PRECISIONS = tuple(FORMATS)  # the registry's names: store/formats.py
 LO_KERNELS = ("auto", "dequant", "triton")
+DECODE_ATTENTIONS = ("auto", "kernel", "gather")
 
 
 def parse_bytes(text: str | float | None) -> int | None:
@@ -115,6 +116,11 @@ class EngineConfig:
             (a grouped fused low-bit kernel over the packed rows; needs CUDA and triton), or "auto"
             (the default: triton where it can run, else dequant; measured on the H200, triton is
             3.6-18x faster per layer and 1.15-1.22x faster per decode step, BENCHMARKS.md).
+        decode_attention: how decode steps attend over the paged KV cache: "kernel" (a Triton kernel
+            reads each row's blocks in place, engine/paged_attention.py; needs triton and, on the
+            CPU, its interpreter), "gather" (the rows' blocks gathered, then transformers' SDPA), or
+            "auto" (the default: the kernel on CUDA where the model's attention allows it, else
+            gather; measured on the H200, 2-3x faster per layer at 32-64 rows of 512-2,048 tokens).
         cuda_graphs: "auto" (the default: on a CUDA device, decode steps whose experts need no host
             decision, i.e. no-offload, static-int4/int2 and uncapped runs whose experts all fit in hi,
             are captured once per batch shape and replayed; see engine/graphed_decode.py) or "off"
@@ -153,6 +159,7 @@ class EngineConfig:
     ladder_slots: tuple[int, ...] | None = None
     host_versions: tuple[str, ...] | None = None
     lo_kernel: str = "auto"
+    decode_attention: str = "auto"
     cuda_graphs: str = "auto"
     prefix_caching: bool = True
     compile: str = "off"
@@ -219,6 +226,9 @@ class EngineConfig:
                     f"with {self.hi_precision} hot experts the lo precision must take fewer bytes"
                     f" (one of {', '.join(order[order.index(self.hi_precision) + 1 :])}), got {self.lo_precision}"
                 )
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            names = ", ".join(DECODE_ATTENTIONS)
+            raise ConfigError(f"decode_attention must be one of {names}, got {self.decode_attention!r}")
         if self.lo_kernel not in LO_KERNELS:
             raise ConfigError(f"--lo-kernel must be one of {', '.join(LO_KERNELS)}, got {self.lo_kernel!r}")
         if self.host_versions is not None:

@@ -14,7 +14,7 @@ from ..residency import KV_BLOCK_SIZE, MAX_PREFILL_TOKENS, kv_pool_blocks
 from .assemble import load_model
 from .kv_blocks import BlockAllocator
 from .llm_engine import PREFILL_CHUNK_TOKENS, LLMEngine
-from .paged_cache import PagedKVCache
+from .paged_cache import PagedKVCache, decode_kernel_supported, use_decode_kernel
 from .memory import resolve_budget
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -190,6 +190,8 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
             eos.update(int(x) for x in source)
     kv_tokens = kv_cache_tokens(config, loaded)
     blocks, kv = paged_kv(config, loaded, kv_tokens, max_model_len)
+    if decode_attention_kernel(config, loaded):
+        use_decode_kernel(loaded.model, kv)
     engine = LLMEngine(
         ModelRunner(
             loaded.model,
@@ -222,6 +224,25 @@ def paged_kv(
         BlockAllocator(num_blocks, block_size=KV_BLOCK_SIZE, prefix_caching=config.prefix_caching),
         PagedKVCache(num_blocks, KV_BLOCK_SIZE, loaded.device, grow=grow),
     )
+
+
+def decode_attention_kernel(config: EngineConfig, loaded: LoadedModel) -> bool:
+    """Whether decode steps attend straight from the paged pools (`EngineConfig.decode_attention`);
+    "kernel" where the model's attention does not allow it is an error, "auto" falls back."""
+    import importlib.util
+    import os
+
+    if config.decode_attention == "gather":
+        return False
+    supported = decode_kernel_supported(loaded.config)
+    runnable = importlib.util.find_spec("triton") is not None and (
+        loaded.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    )
+    if config.decode_attention == "kernel" and not (supported and runnable):
+        why = "this model's attention (sliding window, latent keys or head shape)" if not supported else (
+            "no triton, or a CPU without TRITON_INTERPRET=1")  # fmt: skip
+        raise ConfigError(f"decode_attention='kernel' cannot run here: {why}; use 'auto' or 'gather'")
+    return supported and runnable and (config.decode_attention == "kernel" or loaded.device.type == "cuda")
 
 
 def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv: PagedKVCache):

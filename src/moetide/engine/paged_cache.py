@@ -22,12 +22,22 @@ shapes are fixed by (B, T, W), so a decode step with fixed buffers is captured a
 
 On the CPU the pool grows (zero-filled) up to the highest block handed out, so an uncapped CPU
 run does not touch memory it never uses; on CUDA it is allocated whole at the first forward.
+
+Decode steps without the gather (`decode_kernel`, set where `paged_attention.supports` the model's
+heads and no layer has a sliding window): a step given its rows' `lengths (B,)` as well writes the
+new K/V and hands the layer's pools themselves to the attention, which the model calls through
+transformers' attention interface as `ATTENTION_NAME` (`use_decode_kernel`): given a pool (3D) it
+runs `paged_attention.paged_decode_attention` over the step's block tables; given gathered rows
+(4D: prefill, or a cache without the kernel) it is transformers' SDPA attention.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
+
+ATTENTION_NAME = "moetide_paged"  # the attention implementation of models whose decode reads the pools
+_KERNEL_STEP: "PagedKVCache | None" = None  # the cache whose update just handed its pools to the attention
 
 
 class PagedKVCache(Cache):
@@ -51,6 +61,8 @@ class PagedKVCache(Cache):
         self.values: dict[int, torch.Tensor] = {}
         self.slot_mapping: torch.Tensor | None = None
         self.block_tables: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
+        self.decode_kernel = False  # decode steps given `lengths` attend straight from the pools
 
     # -- transformers' Cache interface ---------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
@@ -63,6 +75,10 @@ class PagedKVCache(Cache):
         slots = self.slot_mapping
         keys.index_copy_(0, slots, key_states.transpose(1, 2).reshape(rows * tokens, heads, -1))
         values.index_copy_(0, slots, value_states.transpose(1, 2).reshape(rows * tokens, heads, -1))
+        if self.decode_kernel and self.lengths is not None and tokens == 1:
+            global _KERNEL_STEP
+            _KERNEL_STEP = self
+            return keys, values  # (slots, H, dim): the attention reads the rows' blocks in place
         return self._gather(keys), self._gather(values)
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
@@ -86,9 +102,13 @@ class PagedKVCache(Cache):
         return len(self.keys)
 
     # -- the engine's side -----------------------------------------------------------------------------
-    def set_step(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> None:
-        """The next forward's layout: `slot_mapping (B*T,)`, `block_tables (B, W)` (device, int64)."""
-        self.slot_mapping, self.block_tables = slot_mapping, block_tables
+    def set_step(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> None:
+        """The next forward's layout: `slot_mapping (B*T,)`, `block_tables (B, W)` (device, int64);
+        for a decode step (T = 1) that may attend straight from the pools, `lengths (B,)`: the tokens
+        each row attends to, its new one included."""
+        self.slot_mapping, self.block_tables, self.lengths = slot_mapping, block_tables, lengths
 
     def reserve(self, high_water: int) -> None:
         """Make blocks 0..`high_water` addressable (the CPU pool grows to a power of two)."""
@@ -156,3 +176,48 @@ def sliding_window(config) -> int | None:
         return None
     window = getattr(config, "sliding_window", None)
     return int(window) if window else None
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface for `ATTENTION_NAME`: `query (B, Hq, T, D)`; `key`/`value`
+    the gathered rows `(B, Hkv, L, D)` (transformers' SDPA attention) or, from a decode step of a
+    cache with `decode_kernel`, the layer's pools `(slots, Hkv, D)` -> `((B, T, Hq, D), None)`."""
+    if key.dim() == 4:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    from .paged_attention import paged_decode_attention
+
+    step = _KERNEL_STEP
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    tables, lengths = step.block_tables, step.lengths
+    out = paged_decode_attention(query[:, :, 0], key, value, tables, lengths, scale, step.block_size)
+    return out.unsqueeze(1), None
+
+
+def decode_kernel_supported(config) -> bool:
+    """Whether decode steps of `config`'s model may attend straight from the pools: every layer full
+    attention over standard heads (DeepSeek-V2's latent keys and values and sliding windows keep the
+    gather)."""
+    from .paged_attention import supports
+
+    if sliding_window(config) is not None or getattr(config, "kv_lora_rank", None):
+        return False
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return supports(heads, kv_heads, head_dim, head_dim)
+
+
+def use_decode_kernel(model, kv: PagedKVCache) -> None:
+    """Route `model`'s attention through `paged_attention_forward` and let `kv`'s decode steps hand
+    it the pools (callers check `decode_kernel_supported` first)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    model.config._attn_implementation = ATTENTION_NAME
+    kv.decode_kernel = True

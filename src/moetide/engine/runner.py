@@ -116,10 +116,13 @@ class ModelRunner:
             self.runtime.flush_observations()
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, mask, slot_mapping, block_tables, logits_to_keep) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, mask, slot_mapping, block_tables, logits_to_keep, lengths=None
+    ) -> torch.Tensor:
         """One forward over the paged cache: the new tokens' K/V go to `slot_mapping`; logits
-        `(B, k, V)` of the positions `logits_to_keep` selects."""
-        self.kv.set_step(slot_mapping, block_tables)
+        `(B, k, V)` of the positions `logits_to_keep` selects. A decode step passes its rows'
+        `lengths (B,)` (the kernel path of `PagedKVCache.decode_kernel`)."""
+        self.kv.set_step(slot_mapping, block_tables, lengths)
         with sdpa_kernel(ENGINE_SDPA_BACKENDS):
             out = self.model(
                 input_ids=input_ids,
@@ -196,5 +199,6 @@ class ModelRunner:
             batch.slot_mapping.to(dev),
             batch.block_tables.to(dev),
             1,
+            positions.view(-1) + 1,
         )
         return logits[:, -1, :]
