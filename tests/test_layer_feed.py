@@ -64,6 +64,36 @@ def test_a_read_the_next_step_has_begun_to_overwrite_is_refused():
     assert obs.feed_read(1, 5, 1) is None
 
 
+def test_a_padded_steps_pad_rows_reach_neither_its_record_nor_the_feed_nor_its_embedding():
+    """A step of 4 rows whose last is a pad row (`real=3`): the record and the feed hold rows 0..2,
+    and the embedding is their mean, counted on the device, so the next step of the same buffers
+    with all 4 rows real (a replayed graph) gets its own mean."""
+    obs = _observations()
+    for iteration, real in ((5, 3), (6, 4)):
+        obs.begin_step(iteration, None, 4, real)
+        obs.record_embedding(torch.tensor([[1.0], [2.0], [6.0], [100.0]]).expand(4, H))
+        obs.publish_embedding()
+        for layer in range(L):
+            ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+            obs.record_logits(layer, torch.arange(4 * E, dtype=torch.float32).view(4, E))
+            obs.record_spec(layer, ids)
+            obs.record_ids(layer, ids)
+            obs.record_pools(layer, torch.arange(E, dtype=torch.int32), ids)
+            obs.publish_layer(layer)
+        fed = obs.feed_read(2, iteration, 4, real)
+        assert fed["ids"].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]][:real]
+        assert fed["logits"].shape == (real, E) and fed["spec"].shape == (real, K)
+        embed = obs.feed_read(0, iteration, 4, real)["embed"]
+        np.testing.assert_allclose(embed, 3.0 if real == 3 else 109.0 / 4)
+        obs.finish_step()
+    padded, whole = obs.flush()
+    assert padded.num_tokens == 3 and padded.ids.shape == (L, 3, K) and padded.pools.shape == (L, 3, K)
+    assert padded.logits.shape == (L, 3, E) and padded.spec.shape == (L, 3, K)
+    assert padded.ids[0].tolist() == [[0, 1], [2, 3], [4, 5]] and np.all(padded.embed == 3.0)
+    assert sorted(np.unique(padded.ran_from()[0]).tolist()) == [-2, 0, 1, 2, 3, 4, 5]  # experts 6, 7 unused
+    assert whole.num_tokens == 4 and whole.ids.shape == (L, 4, K)
+
+
 @pytest.mark.parametrize("policy", ["finemoe", "lru"])
 def test_in_step_policies_follow_every_step_as_it_runs_and_start_copies_within_it(policy):
     llm = moetide.LLM(device="cpu", gpu_memory="128MiB", policy=policy, searcher="thread")

@@ -9,7 +9,13 @@ hands the records whose copy has landed to the host (`StepRecord`). Shapes, for 
     pools    (L, T, k)  int32    the pool each choice was read from (the table as the layer read it)
     logits   (L, T, E)  float32  router logits (written by the policy hooks, when a policy observes)
     spec     (L, T, k)  int32    speculative top-k of router l+d on layer l's input (LRU's guess)
-    embed    (H,)       float32  the step's mean embedding-layer output (FineMoE's semantic key)
+    embed    (H,)       float32  the step's mean embedding-layer output over its real rows (FineMoE's
+                                 semantic key)
+
+A padded decode step (engine/graphed_decode.py: B real rows run as a row bucket of T) writes T rows;
+the host, which launched the step, knows B (`begin_step(..., real=B)`): records and the layer feed
+hand the policies the first B rows only, and the embedding is the mean of the first B rows, counted
+on the device from a scalar the step's start writes (one replayed graph serves every B of its T).
 
 All of a step's regions lie back to back from byte 0 of one buffer, so one copy moves them. Steps of
 up to `decode_tokens` tokens use a buffer allocated once (its addresses stay valid in CUDA graphs);
@@ -46,7 +52,8 @@ def softmax_mean(logits: np.ndarray) -> np.ndarray:
 @dataclass
 class StepRecord:
     """One step's observations on the host (numpy views into a pinned slot, valid until the slot is
-    reused: `HOST_SLOTS` steps later)."""
+    reused: `HOST_SLOTS` steps later). T is the step's real tokens: a padded step's pad rows are
+    left out."""
 
     iteration: int
     num_tokens: int
@@ -127,6 +134,8 @@ class StepObservations:
         # runner, which a replayed CUDA graph needs: no Python runs in it; else set by the first record)
         self._step: tuple | None = None
         self._step_tokens: int | None = None
+        self._step_real: int | None = None  # of those, the real ones (the rest: pad rows)
+        self._real_dev: torch.Tensor | None = None  # () int64: the running step's real tokens, on the device
 
     def want(
         self, *, logits: bool = False, spec: bool = False, embed: bool = False, pools: bool = False, feed: bool = False
@@ -147,6 +156,8 @@ class StepObservations:
             self._seq_dev = torch.full((), -1, dtype=torch.int64, device=self.device)
             self._seq_host = torch.full((1 + L,), -1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
             self._seq_np = self._seq_host.numpy()  # the host thread polls this view (no torch call per look)
+        if self.want_embed and self._real_dev is None:
+            self._real_dev = torch.zeros((), dtype=torch.int64, device=self.device)
 
     # -- the forward pass (device ops only) --------------------------------------------------------
     def layout(self, tokens: int) -> _Layout:
@@ -215,12 +226,18 @@ class StepObservations:
             views = self._host_views[key] = self._regions(mirror, lay)
         return views
 
-    def begin_step(self, iteration: int, context=None, tokens: int | None = None) -> None:
-        """A step starts; `tokens`: its T where the caller knows it (every step the engine runs)."""
+    def begin_step(
+        self, iteration: int, context=None, tokens: int | None = None, real: int | None = None
+    ) -> None:
+        """A step starts; `tokens`: its T where the caller knows it (every step the engine runs),
+        `real`: how many of them are real (the first; all unless given)."""
         self._step = (iteration, context)
         self._step_tokens = tokens
+        self._step_real = real if real is not None else tokens
         if self.want_feed:
             self._seq_dev.fill_(iteration)  # a kernel argument: no host buffer to race with
+        if self._real_dev is not None and self._step_real is not None:
+            self._real_dev.fill_(self._step_real)  # read by the step's embedding mean, replays too
 
     def _tokens(self, tokens: int) -> dict[str, torch.Tensor]:
         if self._step_tokens is None:
@@ -252,9 +269,17 @@ class StepObservations:
 
     @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
     def record_embedding(self, hidden: torch.Tensor) -> None:
-        """The embedding-layer output `(..., H)`: its mean over tokens."""
+        """The embedding-layer output `(..., H)`: its mean over the step's real tokens (the first
+        `real` of `begin_step`, counted on the device), or over every token of a step whose count
+        was not given (a forward outside the engine's runner)."""
         h = hidden.reshape(-1, hidden.shape[-1])
-        torch.mean(h, dim=0, dtype=torch.float32, out=self._tokens(h.shape[0])["embed"])
+        out = self._tokens(h.shape[0])["embed"]
+        if self._step_real is None:
+            torch.mean(h, dim=0, dtype=torch.float32, out=out)
+            return
+        real = torch.arange(h.shape[0], device=h.device) < self._real_dev  # (T,) bool
+        torch.sum(torch.where(real.unsqueeze(1), h.float(), 0.0), dim=0, out=out)
+        out.div_(self._real_dev)
 
     # -- the layer feed (device ops; read on a host thread) -------------------------------------------
     @torch.compiler.disable  # host bookkeeping; a compiled step breaks here (beside the MoE break)
@@ -287,10 +312,12 @@ class StepObservations:
         """The step whose slot `slot` (0: embedding, 1 + l: layer l) last landed whole on the host."""
         return int(self._seq_np[slot])
 
-    def feed_read(self, slot: int, iteration: int, tokens: int) -> dict[str, np.ndarray] | None:
-        """Copies of slot `slot`'s regions for step `iteration` of `tokens` tokens ("embed" (H,), or
-        "ids" (T, k), "logits" (T, E), "spec" (T, k)); None if that step's data is not (or no longer)
-        there whole."""
+    def feed_read(
+        self, slot: int, iteration: int, tokens: int, real: int | None = None
+    ) -> dict[str, np.ndarray] | None:
+        """Copies of slot `slot`'s regions for step `iteration` of `tokens` tokens, its first `real`
+        rows (all unless given; the rest are pad rows): "embed" (H,), or "ids" (real, k), "logits"
+        (real, E), "spec" (real, k); None if that step's data is not (or no longer) there whole."""
         if self.feed_seq(slot) != iteration:
             return None
         host = self._host_views.get(("fixed" if tokens <= self.decode_tokens else "growing", tokens))
@@ -299,7 +326,7 @@ class StepObservations:
         if slot == 0:
             out = {"embed": host["embed"].numpy().copy()}
         else:
-            out = {n: host[n][slot - 1].numpy().copy() for n in ("ids", "logits", "spec") if n in host}
+            out = {n: host[n][slot - 1, :real].numpy().copy() for n in ("ids", "logits", "spec") if n in host}
         # the next step publishes its embedding before any of its layers: while slot 0 still holds
         # this step (or an earlier one), no later step has begun overwriting what was just read
         if self.feed_seq(0) > iteration:
@@ -314,16 +341,16 @@ class StepObservations:
 
     def finish_step(self) -> None:
         """Queue the running step's copy to a pinned slot (a step that recorded nothing is skipped)."""
-        step, tokens = self._step, self._step_tokens
-        self._step = self._step_tokens = None
+        step, tokens, real = self._step, self._step_tokens, self._step_real
+        self._step = self._step_tokens = self._step_real = None
         if step is not None and tokens is not None:
-            self._queue_copy(step[0], tokens, step[1])
+            self._queue_copy(step[0], tokens, real if real is not None else tokens, step[1])
 
     def flush(self) -> list[StepRecord]:
         """Every queued record, waiting for the copies still in flight (end of a run)."""
         return self._ready(block_oldest=True, everything=True)
 
-    def _queue_copy(self, iteration: int, tokens: int, context) -> None:
+    def _queue_copy(self, iteration: int, tokens: int, real: int, context) -> None:
         if len(self._pending) >= HOST_SLOTS:  # every slot is still being read: wait for the oldest
             self._wait(self._pending[0][3])
         lay = self.layout(tokens)
@@ -341,7 +368,7 @@ class StepObservations:
             event.record()
         else:
             host[: lay.nbytes].copy_(src)
-        self._pending.append(((iteration, tokens, context), slot, lay, event))
+        self._pending.append(((iteration, real, context), slot, lay, event))
 
     @staticmethod
     def _wait(event) -> None:
@@ -361,8 +388,10 @@ class StepObservations:
         return out
 
     def _record(self, step, host: torch.Tensor, lay: _Layout) -> StepRecord:
-        iteration, tokens, context = step
+        """The host record of a step of `lay.tokens` tokens, its first `real` (of `step`) only."""
+        iteration, real, context = step
         L, E, k, H = self.shape
+        tokens = lay.tokens
         raw = host.numpy()
         rows = raw[: L * lay.row_bytes].reshape(L, lay.row_bytes)
 
@@ -370,14 +399,14 @@ class StepObservations:
             if spec is None:
                 return None
             start, count = spec
-            return rows[:, start : start + 4 * count].view(dtype).reshape(shape)
+            return rows[:, start : start + 4 * count].view(dtype).reshape(shape)[:, :real]
 
         embed = None
         if lay.embed is not None:
             embed = raw[lay.embed[0] : lay.embed[0] + 4 * H].view(np.float32)
         return StepRecord(
             iteration,
-            tokens,
+            real,
             region(lay.ids, np.int32, (L, tokens, k)),
             region(lay.pools, np.int32, (L, tokens, k)),
             region(lay.logits, np.float32, (L, tokens, E)),

@@ -73,10 +73,11 @@ class ExpertRuntime:
         self.observations: StepObservations | None = None  # set by `engine.assemble`
         self.observing = False  # a policy reads the steps: PolicyHooks records every layer's routing
         self.step_observers: list = []  # observer(StepRecord), called one step late (PolicyHooks)
-        self.step_openers: list = []  # opener(iteration, tokens, tags) at each step's start (the layer feed)
+        self.step_openers: list = []  # opener(iteration, tokens, tags, real) at a step start (the layer feed)
         self.step_tags: tuple = ()  # request ids of the next step (tools that replay requests set it)
         self._in_step = False
         self._auto_step = False
+        self.real_tokens: int | None = None  # the running step's real tokens (None: all of them)
         self._to_observe: list[StepRecord] = []  # accounted at this step's start, observed at its end
         self._accounts_for: tuple | None = None  # (residency, accounts())
     def set_lo_kernel(self, kind: str, device: torch.device) -> None:
@@ -122,14 +123,19 @@ class ExpertRuntime:
             cached = self._accounts_for = (self.residency, value)
         return cached[1]
 
-    def begin_step(self, num_tokens: int | None = None, *, auto: bool = False) -> None:
-        """Before a forward: the residency applies the policies' requests and writes the table this
-        step reads (no-op inside a step). `auto`: opened by the embedding hook (a forward run outside
-        the engine's runner); the decoder hook closes it."""
+    def begin_step(
+        self, num_tokens: int | None = None, *, real_tokens: int | None = None, auto: bool = False
+    ) -> None:
+        """Before a forward of `num_tokens` tokens: the residency applies the policies' requests and
+        writes the table this step reads (no-op inside a step). `real_tokens`: the first that many
+        are real (all unless given), the rest pad rows of a padded decode step, which no policy,
+        counter or metric sees. `auto`: opened by the embedding hook (a forward run outside the
+        engine's runner); the decoder hook closes it."""
         if self._in_step:
             return
         t0 = time.perf_counter()
         self._in_step, self._auto_step = True, auto
+        self.real_tokens = real_tokens if real_tokens is not None else num_tokens
         self.iteration += 1
         self.metrics.steps += 1
         if self.observations is not None:  # the step before has finished: account it first
@@ -146,9 +152,10 @@ class ExpertRuntime:
                 self.observations.want(pools=True)
             # T up front: a replayed CUDA graph writes the step's buffers with no Python to tell
             tokens = num_tokens if accounts or self.observing else None
-            self.observations.begin_step(self.iteration, (accounts, self.step_tags), tokens)
+            real = self.real_tokens if tokens is not None else None
+            self.observations.begin_step(self.iteration, (accounts, self.step_tags), tokens, real)
             for opener in self.step_openers:
-                opener(self.iteration, tokens, self.step_tags)
+                opener(self.iteration, tokens, self.step_tags, real)
         self.metrics.step_host_s += time.perf_counter() - t0
 
     def end_step(self) -> None:
@@ -207,7 +214,7 @@ class ExpertRuntime:
             # (where the residency accounts nothing, an attached policy's router hook records the ids)
         if table is not None:  # the device table: no host sync at all
             if not accounts and hidden.device.type == "cpu":  # a static table; counting is free here
-                used = int(torch.unique(top_k_index).numel())
+                used = int(torch.unique(top_k_index[: self.real_tokens]).numel())  # not the pad rows
                 self.metrics.layers[layer].used += used
                 self.metrics.layers[layer].hits += used
             return self._compute(hidden, top_k_index, top_k_weights, *table)

@@ -260,6 +260,7 @@ def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv: PagedKVCache)
         ENGINE_SDPA_BACKENDS,
         capture=True,
         compile_step=config.compile == "auto",
+        max_rows=config.max_num_seqs,  # what the observations' fixed buffer and kernel scratch hold
     )
 
 

@@ -13,7 +13,8 @@ A forward over B rows of T new tokens each is given, before it runs (`set_step`)
 
     slot_mapping  (B * T,) int64   the slot each new token's K/V is written to
     block_tables  (B, W) int64     each row's blocks in token order, padded with block 0 (the pad
-                                   block: never written, zeros, its columns always masked)
+                                   block: its columns always masked for real rows; only the pad rows
+                                   of a padded decode step write it, at slot 0, finite values)
 
 and `update` writes the new K/V at `slot_mapping`, then gathers each row's blocks:
 `(B, kv_heads, W * block_size, dim)`, column c = the row's token c (see `attention_mask`). The

@@ -99,12 +99,12 @@ class ModelRunner:
             self.graphs.close()
         self.kv.release()
 
-    def _in_step(self, tokens: int, forward, *args):
+    def _in_step(self, tokens: int, forward, *args, real_tokens: int | None = None):
         """`forward(*args)` as one step of `tokens` tokens of the runtime (between `begin_step` and
-        `end_step`)."""
+        `end_step`), of which the first `real_tokens` (all unless given) are real, the rest pad rows."""
         if self.runtime is None:
             return forward(*args)
-        self.runtime.begin_step(tokens)
+        self.runtime.begin_step(tokens, real_tokens=real_tokens)
         try:
             return forward(*args)
         finally:
@@ -179,15 +179,14 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One token for every sequence -> logits `(B, V)`. Replayed from a CUDA graph where
-        `graphs` can (graphed_decode), else eager."""
+        `graphs` can (graphed_decode: B rows padded to their row bucket), else eager."""
         batch = self.decode_batch(seqs)
-        return self._in_step(batch.rows, self._decode_now, batch)
+        rows = self.graphs.rows_for(batch.rows) if self.graphs is not None else None
+        if rows is None:
+            return self._in_step(batch.rows, self._decode_eager, batch)
+        return self._in_step(rows, self.graphs.decode, batch, rows, real_tokens=batch.rows)
 
-    def _decode_now(self, batch: DecodeBatch) -> torch.Tensor:
-        if self.graphs is not None:
-            logits = self.graphs.decode(batch)
-            if logits is not None:
-                return logits
+    def _decode_eager(self, batch: DecodeBatch) -> torch.Tensor:
         dev = self.device
         positions = batch.positions.to(dev).view(-1, 1)
         columns = torch.arange(batch.width * self.block_size, device=dev)

@@ -51,7 +51,7 @@ class LayerFeed:
         self.num_layers = num_layers
         self.poll = observations.device.type == "cuda"
         self._cv = threading.Condition()
-        self._steps: deque = deque()  # (iteration, tokens, request ids) announced by the runtime
+        self._steps: deque = deque()  # (iteration, tokens, real tokens, request ids) from the runtime
         self._stop = False
         self._busy = False  # the thread is following a step
         self.steps_seen = 0  # steps published whole
@@ -73,12 +73,13 @@ class LayerFeed:
         self._thread.start()
 
     # -- the forward thread -------------------------------------------------------------------------
-    def announce(self, iteration: int, tokens: int | None, request_ids) -> None:
-        """A step of `tokens` tokens is about to run (the runtime's `begin_step`)."""
+    def announce(self, iteration: int, tokens: int | None, request_ids, real: int | None = None) -> None:
+        """A step of `tokens` tokens, the first `real` of them real (all unless given; the rest pad
+        rows, never published), is about to run (the runtime's `begin_step`)."""
         if tokens is None:
             return
         with self._cv:
-            self._steps.append((iteration, tokens, tuple(request_ids)))
+            self._steps.append((iteration, tokens, real if real is not None else tokens, tuple(request_ids)))
             self._cv.notify_all()
 
     def _wake(self) -> None:
@@ -154,25 +155,26 @@ class LayerFeed:
             except Exception as e:  # noqa: BLE001 - a policy's failure must never take the engine down
                 self.errors.append(f"{type(e).__name__}: {e}")
 
-    def _follow(self, iteration: int, tokens: int, request_ids: tuple) -> None:
-        """Publish step `iteration`'s layers as they land, up to where a later step overtakes it."""
+    def _follow(self, iteration: int, tokens: int, real: int, request_ids: tuple) -> None:
+        """Publish step `iteration`'s layers (its first `real` rows of `tokens`) as they land, up to
+        where a later step overtakes it."""
         embed = None
         if self.obs.want_embed:
             if not self._wait_for(0, iteration):
                 self.steps_cut += 1
                 return
-            data = self.obs.feed_read(0, iteration, tokens)
+            data = self.obs.feed_read(0, iteration, tokens, real)
             if data is None:
                 self.steps_cut += 1
                 return
             embed = data["embed"]
-        self.hooks.publish_begin(iteration, embed, tokens, request_ids)
+        self.hooks.publish_begin(iteration, embed, real, request_ids)
         in_step = getattr(self.sink, "in_step", None) if self.hooks.enabled else None
         if in_step is not None:  # the semantic predictions of the first layers (free slots only)
             self.copies_started += in_step(iteration, -1)
         for layer in range(self.num_layers):
             arrived = self._wait_for(1 + layer, iteration, routed=layer - 1)
-            data = self.obs.feed_read(1 + layer, iteration, tokens) if arrived else None
+            data = self.obs.feed_read(1 + layer, iteration, tokens, real) if arrived else None
             if data is None:
                 self.steps_cut += 1
                 return
