@@ -106,9 +106,10 @@ class PagedDecodeState:
         self.meta.copy_(host)
 
     def step(self, model, kv, mask_for) -> None:
-        """One decode step on the fixed buffers (what is captured): the mask from the positions,
-        the model over the paged cache, the last logits kept."""
-        kv.set_step(self.slot_mapping, self.block_tables)
+        """One decode step on the fixed buffers (what is captured): the mask and each row's length
+        (the kernel path of `PagedKVCache.decode_kernel`) from the positions, the model over the
+        paged cache, the last logits kept."""
+        kv.set_step(self.slot_mapping, self.block_tables, self.positions.view(-1) + 1)
         mask = mask_for(model.config, self.positions, self.columns)
         out = model(
             input_ids=self.input_ids,
@@ -143,6 +144,8 @@ class GraphedDecoder:
         compile_step: run the step through `torch.compile` (once per shape) before capturing it.
         max_rows: the most rows a step can have (the engine's `max_num_seqs`): no bucket is larger,
             so the expert kernels' scratch and the observations' fixed buffer stay as planned.
+        max_width: blocks of the longest sequence (the engine's context): every state's width when
+            the cache's decode attention reads the pools in place (`width_for`).
         row_buckets: the row buckets (`ROW_BUCKETS`), or None: a shape per exact row count.
     """
 
@@ -159,6 +162,7 @@ class GraphedDecoder:
         compile_step: bool = False,
         max_rows: int | None = None,
         row_buckets=ROW_BUCKETS,
+        max_width: int | None = None,
     ):
         from .runner import mask_for
 
@@ -184,6 +188,7 @@ class GraphedDecoder:
         self.max_states = max_states
         self.max_rows = max_rows
         self.row_buckets = row_buckets
+        self.max_width = max_width
         self.hooks_at_start = count_forward_hooks(model)
         self.states: OrderedDict[tuple[int, int], PagedDecodeState] = OrderedDict()
         self.graph_pool = None  # the memory pool every captured graph allocates from
@@ -220,7 +225,10 @@ class GraphedDecoder:
 
     def width_for(self, batch) -> int:
         """Blocks per row of the buffers for `batch`: its widest table rounded up to `column_bucket`
-        tokens times a power of two."""
+        tokens times a power of two; `max_width` where the cache's decode attention reads the pools
+        in place (its work follows each row's length, so one width serves every batch)."""
+        if self.kv.decode_kernel and self.max_width is not None and batch.width <= self.max_width:
+            return self.max_width
         return width_bucket(batch.width, self.column_bucket // self.kv.block_size)
 
     def applicable(self, rows: int) -> bool:

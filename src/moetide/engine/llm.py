@@ -197,7 +197,7 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
             loaded.model,
             loaded.device,
             kv,
-            graphs=graphed_decoder(config, loaded, kv),
+            graphs=graphed_decoder(config, loaded, kv, max_model_len),
             runtime=loaded.runtime,
         ),
         tokenizer,
@@ -245,7 +245,7 @@ def decode_attention_kernel(config: EngineConfig, loaded: LoadedModel) -> bool:
     return supported and runnable and (config.decode_attention == "kernel" or loaded.device.type == "cuda")
 
 
-def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv: PagedKVCache):
+def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv: PagedKVCache, max_model_len: int):
     """CUDA-graph decode (engine/graphed_decode.py) on a CUDA device unless `cuda_graphs` is "off";
     it captures only steps whose experts need no host decision, so every policy can have one."""
     from .graphed_decode import GraphedDecoder
@@ -261,6 +261,7 @@ def graphed_decoder(config: EngineConfig, loaded: LoadedModel, kv: PagedKVCache)
         capture=True,
         compile_step=config.compile == "auto",
         max_rows=config.max_num_seqs,  # what the observations' fixed buffer and kernel scratch hold
+        max_width=-(-max_model_len // kv.block_size),
     )
 
 
