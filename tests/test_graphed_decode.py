@@ -110,6 +110,7 @@ def test_a_later_batch_of_the_same_shape_reuses_the_buffers_and_computes_the_sam
 
 def _generate(llm, graphs):
     llm.engine.runner.graphs = graphs
+    llm.engine.runner.fold_prefill_tokens = 0  # decode rows only (prefill rows: see the folding test)
     params = [moetide.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (5, 19, 11)]
     outs = [llm.engine.add_request(llm.tokenizer.encode(p), sp) for p, sp in zip(PROMPTS, params, strict=True)]
     while llm.engine.has_unfinished():
@@ -274,6 +275,7 @@ def _staggered(llm, graphs) -> list[list[int]]:
     fourth once the first has left: batches of 1, 2, 3 rows, then 3 rows of other sequences."""
     engine = llm.engine
     engine.runner.graphs = graphs
+    engine.runner.fold_prefill_tokens = 0  # decode rows only (prefill rows: see the folding test)
     params = [moetide.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 12, 12, 8)]
     prompts = [[5 + i, 6, 7, 8, 9] for i in range(4)]
     seqs = []
@@ -513,6 +515,7 @@ def _ramp(llm, graphs, rows: int) -> list[list[int]]:
     tokens: decode batches of every size 1..rows on the way up and again on the way down."""
     engine = llm.engine
     engine.runner.graphs = graphs
+    engine.runner.fold_prefill_tokens = 0  # decode rows only (prefill rows: see the folding test)
     params = moetide.SamplingParams(max_tokens=rows + 2, temperature=0, ignore_eos=True)
     seqs = []
     while len(seqs) < rows or engine.has_unfinished():
@@ -629,9 +632,9 @@ def test_the_layer_feed_publishes_only_the_real_rows_of_a_padded_step():
         real = {}  # iteration -> rows decoded
         decode = runner.decode
 
-        def counted(seqs):
+        def counted(seqs, chunks=()):
             real[runtime.iteration + 1] = len(seqs)
-            return decode(seqs)
+            return decode(seqs, chunks)
 
         runner.decode = counted
         seen = _Seen()
@@ -649,3 +652,40 @@ def test_the_layer_feed_publishes_only_the_real_rows_of_a_padded_step():
     for iteration, num_tokens, embedding, layers in decoded:
         assert num_tokens == real[iteration] and embedding is not None
         assert all(ids.shape[0] == num_tokens for _, _, ids in layers)
+
+
+def _shared_prefix_joins(llm, graphs, system: str) -> list[list[int]]:
+    """A long prompt decodes alone for two steps; then a request sharing its first blocks and a
+    short one join: greedy tokens of all three."""
+    engine = llm.engine
+    engine.runner.graphs = graphs
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = engine.add_request(llm.tokenizer.encode(system + " Name one of them."), params)
+    for _ in range(3):
+        engine.step()
+    later = [engine.add_request(llm.tokenizer.encode(p), params) for p in (system + " Why?", PROMPTS[2])]
+    while engine.has_unfinished():
+        engine.step()
+    engine.runner.graphs = None
+    return [s.output_ids for s in (first, *later)]
+
+
+def test_short_prefill_chunks_ride_in_the_decode_step_and_give_the_same_tokens():
+    """float32: a prefix-cache hit's new tokens and a short prompt are computed as rows of the running
+    decode step (their K/V written before any row attends, each row masked to its own positions):
+    the same greedy tokens as their own packed prefill forward."""
+    system = "The cat sat on the mat while the dog slept by the door and the bird sang in the tree. " * 3
+    llm = moetide.LLM(device="cpu", policy="no-offload", dtype="float32")
+    try:
+        want = _shared_prefix_joins(llm, None, system)
+        assert llm.engine.kv_stats()["prefix_cache_hits"] >= 48
+        graphs = _decoder(llm, capture=False, column_bucket=16)
+        got = _shared_prefix_joins(llm, graphs, system)
+        folded = llm.engine.runner.folded_tokens
+        llm.engine.runner.fold_prefill_tokens = 0  # off: the same decoder, prefills as their own forward
+        unfolded = _shared_prefix_joins(llm, _decoder(llm, capture=False, column_bucket=16), system)
+    finally:
+        llm.close()
+    assert got == want == unfolded
+    # the shared request's tail and the short prompt rode along: rows beyond one per sequence
+    assert folded >= 2 and max(graphs.rows_entered) > 3, (folded, graphs.rows_entered)

@@ -16,7 +16,7 @@ from .kv_blocks import BlockAllocator
 from .llm_engine import PREFILL_CHUNK_TOKENS, LLMEngine
 from .paged_cache import PagedKVCache, decode_kernel_supported, use_decode_kernel
 from .memory import resolve_budget
-from .runner import ModelRunner
+from .runner import FOLD_PREFILL_TOKENS, ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
 
@@ -199,6 +199,8 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
             kv,
             graphs=graphed_decoder(config, loaded, kv, max_model_len),
             runtime=loaded.runtime,
+            max_rows=config.max_num_seqs,
+            fold_prefill_tokens=config.extra.get("fold_prefill_tokens", FOLD_PREFILL_TOKENS),
         ),
         tokenizer,
         eos,

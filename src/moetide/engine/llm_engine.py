@@ -179,24 +179,39 @@ class LLMEngine:
         self.scheduler.drop_finished()
         scheduled = self.scheduler.schedule()
         self.runner.kv.reserve(self.blocks.high_water)
-        if scheduled.decode:
-            logits = self.runner.decode(scheduled.decode)
+        # short prefill chunks ride in the decode step where the graphed decoder takes the rows
+        fold = bool(scheduled.prefill) and self.runner.folds(scheduled.decode, scheduled.prefill)
+        if scheduled.decode or fold:
+            chunks = scheduled.prefill if fold else []
+            logits = self.runner.decode(scheduled.decode, chunks)
             for seq in scheduled.decode:
                 self.scheduler.computed(seq, 1)
-            outputs += self._postprocess(scheduled.decode, self._sample(scheduled.decode, logits))
-        if scheduled.prefill:
-            logits = self.runner.prefill(scheduled.prefill)
-            for seq, n in scheduled.prefill:
-                self.scheduler.computed(seq, n)
-            ready = [i for i, (seq, _) in enumerate(scheduled.prefill) if seq.pending_tokens == 0]
-            if ready:
-                seqs = [scheduled.prefill[i][0] for i in ready]
-                rows = logits if len(ready) == len(scheduled.prefill) else logits[ready]
+            seqs, rows = list(scheduled.decode), logits[: len(scheduled.decode)]
+            if chunks:
+                ready, ready_rows = self._chunks_computed(chunks, logits[len(scheduled.decode) :])
+                seqs, rows = seqs + ready, torch.cat([rows, ready_rows])
+            if seqs:
                 outputs += self._postprocess(seqs, self._sample(seqs, rows))
+        if scheduled.prefill and not fold:
+            ready, rows = self._chunks_computed(scheduled.prefill, self.runner.prefill(scheduled.prefill))
+            if ready:
+                outputs += self._postprocess(ready, self._sample(ready, rows))
         self.scheduler.drop_finished()  # their blocks are free for the next step's admissions
         if not self.has_unfinished():  # idle: the last steps' observations reach metrics and policies
             self.runner.flush()
         return outputs
+
+    def _chunks_computed(
+        self, chunks: list[tuple[Sequence, int]], logits: torch.Tensor
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """Account prefill `chunks` as computed; `logits (C, V)`, one per chunk's last token -> the
+        sequences whose prompt (or, after a preemption, prompt + output) is now complete, and their
+        rows: they sample their next token."""
+        for seq, n in chunks:
+            self.scheduler.computed(seq, n)
+        ready = [i for i, (seq, _) in enumerate(chunks) if seq.pending_tokens == 0]
+        rows = logits if len(ready) == len(chunks) else logits[ready]
+        return [chunks[i][0] for i in ready], rows
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """`logits (B, V)` -> `(B,)` next tokens. A row whose sampling raises fails its sequence alone."""

@@ -11,6 +11,13 @@ small int64 tensors, copied to the device once per forward:
     decode            input_ids (B, 1): each row's last token; positions (B, 1); slot_mapping
                       (B,); block_tables (B, W), padded with the pad block; mask (B, 1, 1, W*bs).
 
+    decode + chunks   short prefill chunks ride in a decode step as rows of their own: a chunk of n
+                      tokens is n rows at consecutive positions over its sequence's whole table
+                      (each row's K/V is written before any row attends, and the mask keeps each
+                      to positions <= its own, so the rows compute causal attention), when the
+                      CUDA-graph decoder can take the rows: a prefix-cache hit's few new tokens
+                      replay a captured step instead of an eager forward (~30 ms on the H200).
+
 Position ids count the sequence's own tokens only, so a sequence computes the same logits
 whatever it is batched with. Shapes: B rows, T tokens, W blocks per row, bs block size, V vocabulary.
 """
@@ -31,6 +38,9 @@ from .sequence import Sequence
 # each step: on the H200 each new shape cost ~2.5 ms per layer on the host (run 9, batch 32: 120 ms of
 # 230 ms host time in three decode steps), until every length had been seen once in the process.
 ENGINE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+# Prefill tokens of one step that may ride in the decode step as rows of their own (0: never).
+FOLD_PREFILL_TOKENS = 32
 
 
 @dataclass
@@ -76,14 +86,31 @@ class ModelRunner:
         graphs: a graphed_decode.GraphedDecoder for decode steps, or None: every step eager.
         runtime: the model's ExpertRuntime: each forward is one step of it (the residency writes its
             table before, the step's observations go to the host after); None for a plain model.
+        max_rows: rows of a decode step at most (the engine's `max_num_seqs`: the observation
+            buffers hold that many tokens).
+        fold_prefill_tokens: prefill tokens of a step that may ride in its decode step as rows
+            (`folds`); 0 turns folding off.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, kv: PagedKVCache, graphs=None, runtime=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        kv: PagedKVCache,
+        graphs=None,
+        runtime=None,
+        *,
+        max_rows: int = 32,
+        fold_prefill_tokens: int = FOLD_PREFILL_TOKENS,
+    ):
         self.model = model
         self.device = device
         self.kv = kv
         self.graphs = graphs
         self.runtime = runtime
+        self.max_rows = max_rows
+        self.fold_prefill_tokens = fold_prefill_tokens
+        self.folded_tokens = 0  # prefill tokens computed as decode rows
 
     @property
     def block_size(self) -> int:
@@ -162,29 +189,57 @@ class ModelRunner:
         args = (tokens, positions, mask, slot_mapping, block_tables, as_dev(last))
         return self._in_step(len(ids), self.forward, *args)[0]
 
-    def decode_batch(self, seqs: list[Sequence]) -> DecodeBatch:
+    def folds(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]]) -> bool:
+        """Whether the prefill `chunks` ride in this step's decode of `seqs` as rows of their own:
+        they are short, the rows fit, and the CUDA-graph decoder takes a step of that many rows."""
+        tokens = sum(n for _, n in chunks)
+        rows = len(seqs) + tokens
+        return (
+            self.graphs is not None
+            and 0 < tokens <= self.fold_prefill_tokens
+            and rows <= self.max_rows
+            and self.graphs.rows_for(rows) is not None
+        )
+
+    def decode_batch(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]] = ()) -> DecodeBatch:
         """The host layout of a decode step of `seqs` (each has one uncomputed token, its block
-        allocated)."""
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros(len(seqs), width, dtype=torch.long)
-        for r, seq in enumerate(seqs):
+        allocated), then `n` rows per prefill chunk `(seq, n)`: its next `n` tokens at their
+        positions, each row over the sequence's whole table."""
+        rows: list[tuple[Sequence, int]] = [(s, s.num_tokens - 1) for s in seqs]
+        tokens = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
+        for seq, n in chunks:
+            start = seq.num_computed
+            rows += [(seq, p) for p in range(start, start + n)]
+            tokens += seq.token_ids(start, start + n)
+        width = max(len(s.block_table) for s, _ in rows)
+        tables = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, (seq, _) in enumerate(rows):
             tables[r, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.long)
-        positions = [s.num_tokens - 1 for s in seqs]
         return DecodeBatch(
-            torch.tensor([s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]),
-            torch.tensor(positions),
-            torch.tensor([self._slot(s.block_table, p) for s, p in zip(seqs, positions, strict=True)]),
+            torch.tensor(tokens),
+            torch.tensor([p for _, p in rows]),
+            torch.tensor([self._slot(s.block_table, p) for s, p in rows]),
             tables,
         )
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token for every sequence -> logits `(B, V)`. Replayed from a CUDA graph where
-        `graphs` can (graphed_decode: B rows padded to their row bucket), else eager."""
-        batch = self.decode_batch(seqs)
+    def decode(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]] = ()) -> torch.Tensor:
+        """One token for every sequence -> logits `(B, V)`; with prefill `chunks` (rows of the same
+        step, `folds`), `(B + C, V)`: then each chunk's last token's. Replayed from a CUDA graph
+        where `graphs` can (graphed_decode: the rows padded to their row bucket), else eager."""
+        batch = self.decode_batch(seqs, chunks)
         rows = self.graphs.rows_for(batch.rows) if self.graphs is not None else None
         if rows is None:
-            return self._in_step(batch.rows, self._decode_eager, batch)
-        return self._in_step(rows, self.graphs.decode, batch, rows, real_tokens=batch.rows)
+            logits = self._in_step(batch.rows, self._decode_eager, batch)
+        else:
+            logits = self._in_step(rows, self.graphs.decode, batch, rows, real_tokens=batch.rows)
+        if not chunks:
+            return logits
+        keep, end = list(range(len(seqs))), len(seqs)
+        for _, n in chunks:
+            end += n
+            keep.append(end - 1)
+        self.folded_tokens += end - len(seqs)
+        return logits[torch.tensor(keep, device=logits.device)]
 
     def _decode_eager(self, batch: DecodeBatch) -> torch.Tensor:
         dev = self.device
