@@ -1,15 +1,28 @@
 #!/usr/bin/env python3
-"""Time one MoE layer of the fused kernel on the GPU, per (T, format), against its HBM roofline, and
-tune its tiles (`--tune`): writes the timings JSON and, with `--write-table`, the committed tile table
-`src/moetide/compute/fused_moe_configs.json`.
+"""Time one MoE layer of the fused kernel on the GPU, per (packed tile product, format, T), against its
+HBM roofline, and tune its tiles (`--tune`): writes the timings JSON and, with `--write-table`, the
+committed tile table `src/moetide/compute/fused_moe_configs.json`.
 
-    python scripts/tune_fused_moe.py --out out/fused.json [--tune] [--write-table] [--shape olmoe-1b-7b]
+    python scripts/tune_fused_moe.py --out out/fused.json [--variants v1,v2,v2i] [--tune --tune-seconds 60]
+        [--formats int4,int2,int2+int4,bfloat16] [--tokens 1,8,32,128] [--shape olmoe-1b-7b] [--write-table]
+
+`--variants`: the packed tile products of `fused_moe.PACKED_TILES`, each timed with the table's tiles
+(dense formats run the same kernel whatever the variant: a control). Every output (each variant, each
+tile tried) is checked against the v1 output with the table's tiles of the same (format, T): `max_rel_err`
+is the largest relative (Frobenius) difference seen, `ok` whether it stays within `--max-err`; a tile
+beyond it is never `best`, and the exit status is 1. `v1_ref_err` is v1's own error against the
+PyTorch reference (`reference_moe`). With `--tune`, tiles are swept per (variant, format, T), each of
+these cells getting an equal part of what is left of `--tune-seconds`, the likeliest candidates first;
+candidates that run the same kernels are tried once. Every kernel the run needs (every candidate too,
+with `--tune`) is first compiled by `--compile-workers` processes at once, into Triton's on-disk
+cache: one by one, compiles would take most of a run (~60 kernels for the default A/B, ~1 s each).
 
 Per layer, the bytes the kernel must move at least: every used expert's weights once (packed codes,
 scales and offsets, or the dense matrices), the activations in and out. Roofline time = bytes / 3.3
 TB/s (the H200's measured copy bandwidth, ~4.3 TB/s read+write, of which reads alone reach ~3.3).
 The layer is timed as a CUDA graph replay of the whole `fused_moe` call (align, launches, reduce), so
-launch gaps are not counted but every kernel's own time is.
+launch gaps are not counted but every kernel's own time is. Without CUDA (a smoke run under
+TRITON_INTERPRET=1, `--shape tiny`), one plain call is timed instead.
 """
 
 from __future__ import annotations
@@ -17,31 +30,38 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from moetide.compute import fused_moe as fm
+from moetide.compute.expert_compute import reference_moe
 from moetide.compute.fused_moe_config import TABLE_PATH, KernelConfig, as_json, table_key
 from moetide.residency.slot_table import Pool, dense_format, packed_format
 from moetide.store import quant
 
-SHAPES = {"olmoe-1b-7b": (2048, 1024, 64, 8), "qwen15-moe-a2.7b": (2048, 1408, 60, 4)}  # H, I, E, k
+SHAPES = {"olmoe-1b-7b": (2048, 1024, 64, 8), "qwen15-moe-a2.7b": (2048, 1408, 60, 4),
+          "tiny": (128, 64, 8, 2)}  # H, I, E, k; tiny: a smoke run on CPU
 ROOFLINE_BYTES_S = 3.3e12
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PRECISION = {"int2+int4": "int2+4"}  # PoolFormat name -> quant.pack_expert precision
 
 
 def make_pool(fmt: str, hidden: int, inter: int, experts: int, dtype=torch.bfloat16) -> Pool:
-    """`experts` random experts in one format, built once and repeated (packing on the GPU)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    gate_up = torch.randn(2 * inter, hidden, device="cuda", generator=g, dtype=torch.float32) * 0.02
-    down = torch.randn(hidden, inter, device="cuda", generator=g, dtype=torch.float32) * 0.02
+    """`experts` random experts in one format (a `PoolFormat.name`), built once and repeated (packing on
+    the GPU)."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    gate_up = torch.randn(2 * inter, hidden, device=DEVICE, generator=g, dtype=torch.float32) * 0.02
+    down = torch.randn(hidden, inter, device=DEVICE, generator=g, dtype=torch.float32) * 0.02
     if fmt == "bfloat16":
         row, _ = quant.pack_expert(gate_up.to(dtype), down.to(dtype), "hi")
         arena = row.unsqueeze(0).repeat(experts, 1)
         return Pool(arena, dense_format(hidden, inter, dtype))
-    row, meta = quant.pack_expert(gate_up, down, fmt, quant_method="rtn")
+    row, meta = quant.pack_expert(gate_up, down, PRECISION.get(fmt, fmt), quant_method="rtn")
     return Pool(row.unsqueeze(0).repeat(experts, 1), packed_format(meta, dtype))
 
 
@@ -50,19 +70,29 @@ def layer_bytes(pool: Pool, ids: torch.Tensor, hidden: int) -> int:
     return used * pool.arena.shape[1] + ids.shape[0] * hidden * 2 * 2
 
 
-def time_layer(pool: Pool, num_tokens: int, hidden: int, experts: int, top_k: int, config) -> tuple[float, int]:
-    """Median microseconds of one graph-replayed `fused_moe` call, and its minimum bytes."""
-    import triton.testing
-
-    g = torch.Generator(device="cuda").manual_seed(num_tokens)
-    logits = torch.randn(num_tokens, experts, device="cuda", generator=g)
+def layer_inputs(num_tokens: int, hidden: int, experts: int, top_k: int):
+    """(x, ids, weights, pool_of, slot_of) of one layer at `num_tokens`: the same for every variant."""
+    g = torch.Generator(device=DEVICE).manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, experts, device=DEVICE, generator=g)
     weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
-    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-    pool_of = torch.zeros(experts, dtype=torch.int32, device="cuda")
-    slot_of = torch.arange(experts, dtype=torch.int32, device="cuda")
+    x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    pool_of = torch.zeros(experts, dtype=torch.int32, device=DEVICE)
+    slot_of = torch.arange(experts, dtype=torch.int32, device=DEVICE)
+    return x, ids, weights, pool_of, slot_of
+
+
+def time_layer(pool: Pool, inputs, config, variant: str) -> tuple[float, torch.Tensor]:
+    """Median microseconds of one graph-replayed `fused_moe` call, and its output (of the last replay)."""
+    x, ids, weights, pool_of, slot_of = inputs
 
     def call():
-        return fm.fused_moe(x, ids, weights, pool_of, slot_of, [pool], config=config)
+        return fm.fused_moe(x, ids, weights, pool_of, slot_of, [pool], config=config, packed_tile=variant)
+
+    if DEVICE == "cpu":
+        start = time.perf_counter()
+        out = call()
+        return (time.perf_counter() - start) * 1e6, out
+    import triton.testing
 
     call()  # compile
     torch.cuda.synchronize()
@@ -72,9 +102,13 @@ def time_layer(pool: Pool, num_tokens: int, hidden: int, experts: int, top_k: in
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call()
+        out = call()
     ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
-    return ms * 1000, layer_bytes(pool, ids, hidden)
+    return ms * 1000, out.clone()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
 def candidates(num_tokens: int):
@@ -83,57 +117,160 @@ def candidates(num_tokens: int):
             yield KernelConfig(1, bn, bk, 4, 2)
         return
     if num_tokens <= 64:
-        for bn, bk, s in itertools.product((32, 64, 128), (64, 128), (2, 3)):
+        for bn, bk, s in itertools.product((64, 128, 32), (64, 128), (3, 2)):
             yield KernelConfig(16, bn, bk, 4, s)
         return
-    for bm, bn, w in itertools.product((32, 64), (64, 128), (4, 8)):
+    for bm, bn, w in itertools.product((32, 64), (128, 64), (4, 8)):
         yield KernelConfig(bm, bn, 64, w, 3)
+
+
+def effective(config: KernelConfig, pool: Pool) -> tuple:
+    """What the kernels of `pool` run with `config` (packed block_k is clamped to the group size)."""
+    matrices = (pool.format.gate_up, pool.format.down)
+    ks = [min(config.block_k, m.group_size) if m.packed else config.block_k for m in matrices]
+    return (config.block_m, config.block_n, config.num_warps, config.num_stages, *ks)
+
+
+def _compile_worker(shape: str, jobs: list) -> int:
+    """Run each job (format, T, KernelConfig fields, variant) once: its kernels land in Triton's on-disk
+    cache, where the timing process finds them compiled. -> the number of jobs that failed."""
+    hidden, inter, experts, top_k = SHAPES[shape]
+    pools, failed = {}, 0
+    for fmt, t, cfg, variant in jobs:
+        try:
+            if fmt not in pools:
+                pools[fmt] = make_pool(fmt, hidden, inter, experts)
+            x, ids, weights, pool_of, slot_of = layer_inputs(t, hidden, experts, top_k)
+            fm.fused_moe(x, ids, weights, pool_of, slot_of, [pools[fmt]], config=KernelConfig(*cfg),
+                         packed_tile=variant)  # fmt: skip
+        except Exception:  # a tile that does not fit: the timing loop reports it
+            failed += 1
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return failed
+
+
+def precompile(shape: str, jobs: list, workers: int) -> None:
+    """Compile `jobs` (see `_compile_worker`) in `workers` processes at once (a compile is mostly
+    single-threaded CPU work; one by one they would take most of a run)."""
+    import concurrent.futures
+    import multiprocessing
+
+    start = time.perf_counter()
+    chunks = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=ctx) as pool:
+            failed = sum(pool.map(_compile_worker, [shape] * len(chunks), chunks))
+    except Exception as e:  # the timing loop compiles whatever is missing
+        print(f"precompile failed ({type(e).__name__}: {e}); compiling as the timings go", flush=True)
+        return
+    print(f"precompiled {len(jobs)} calls in {len(chunks)} processes in {time.perf_counter() - start:.0f} s"
+          f" ({failed} failed)", flush=True)  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
-    ap.add_argument("--formats", default="bfloat16,int4,int2")
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
-    ap.add_argument("--tune", action="store_true", help="sweep tiles per (T, format); else the table's choice")
-    ap.add_argument("--tune-seconds", type=float, default=240, help="stop tuning after this long")
-    ap.add_argument("--write-table", action="store_true")
+    ap.add_argument("--formats", default="int4,int2,int2+int4,bfloat16", help="PoolFormat names")
+    ap.add_argument("--tokens", default="1,8,32,128")
+    ap.add_argument("--variants", default="v1,v2,v2i", help=f"tile products: {sorted(fm.PACKED_TILES)}")
+    ap.add_argument("--max-err", type=float, default=2e-2, help="relative error to v1 allowed (bf16)")
+    ap.add_argument("--tune", action="store_true", help="sweep tiles per (variant, format, T)")
+    ap.add_argument("--tune-seconds", type=float, default=60, help="all tuning together stops after this")
+    ap.add_argument("--write-table", action="store_true", help="write fused_moe_configs.json next to --out")
+    ap.add_argument("--table-variant", default=fm.PACKED_TILE, help="whose best tiles --write-table writes")
+    workers = min(8, (os.cpu_count() or 2) // 2) if DEVICE == "cuda" else 0
+    ap.add_argument("--compile-workers", type=int, default=workers,
+                    help="processes compiling every kernel of the run first (0: as the timings go)")
     args = ap.parse_args()
     hidden, inter, experts, top_k = SHAPES[args.shape]
-    start = time.perf_counter()
-    rows, table = [], {}
-    for fmt in args.formats.split(","):
-        pool = make_pool(fmt, hidden, inter, experts)
-        for t in (int(v) for v in args.tokens.split(",")):
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in fm.PACKED_TILES]
+    if unknown:
+        ap.error(f"unknown variants {unknown}: pick from {sorted(fm.PACKED_TILES)}")
+    formats, tokens = args.formats.split(","), [int(v) for v in args.tokens.split(",")]
+    cells_left = len(formats) * len(tokens) * len(variants)
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
+    pools = {fmt: make_pool(fmt, hidden, inter, experts) for fmt in formats}
+    if args.compile_workers > 0:
+        jobs, seen = [], set()
+        for fmt, t, variant in itertools.product(formats, tokens, ["v1", *variants]):
+            pool = pools[fmt]
             chosen = fm.config_for(t, hidden, inter, pool.format.name)
-            base_us, nbytes = time_layer(pool, t, hidden, experts, top_k, chosen)
-            best, best_us = chosen, base_us
-            if args.tune and time.perf_counter() - start < args.tune_seconds:
-                for cfg in candidates(t):
-                    try:
-                        us, _ = time_layer(pool, t, hidden, experts, top_k, cfg)
-                    except Exception as e:  # a tile that does not fit in shared memory
-                        print(f"  {fmt} T={t} {cfg}: {type(e).__name__}", flush=True)
-                        continue
-                    if us < best_us:
-                        best, best_us = cfg, us
-                table[table_key(t, hidden, inter, pool.format.name)] = best
+            tuned = args.tune and variant in variants  # v1 is always run with the table's tiles: the baseline
+            for cfg in [chosen, *(candidates(t) if tuned else ())]:
+                packed = pool.format.gate_up.packed or pool.format.down.packed
+                key = (fmt, t, effective(cfg, pool), variant if packed else None)
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((fmt, t, tuple(vars(cfg).values()), variant))
+        precompile(args.shape, jobs, args.compile_workers)
+    tune_deadline = time.perf_counter() + args.tune_seconds
+    rows, table, failed = [], {}, False
+    for fmt in formats:
+        pool = pools[fmt]
+        for t in tokens:
+            inputs = layer_inputs(t, hidden, experts, top_k)
+            chosen = fm.config_for(t, hidden, inter, pool.format.name)
+            nbytes = layer_bytes(pool, inputs[1], hidden)
             roof_us = nbytes / ROOFLINE_BYTES_S * 1e6
-            rows.append({"format": fmt, "tokens": t, "default_us": round(base_us, 2), "best_us": round(best_us, 2),
-                         "best": as_json({"c": best})["c"], "bytes": nbytes, "roofline_us": round(roof_us, 2),
-                         "vs_roofline": round(best_us / roof_us, 2)})  # fmt: skip
-            r = rows[-1]
-            print(f"{fmt:9s} T={t:5d} default {r['default_us']:9.1f} us  best {r['best_us']:9.1f} us  "
-                  f"roofline {r['roofline_us']:8.1f} us  x{r['vs_roofline']:.2f}  {r['best']}", flush=True)  # fmt: skip
-            Path(args.out).write_text(json.dumps({"shape": args.shape, "gpu": torch.cuda.get_device_name(),
-                                                  "torch": torch.__version__, "rows": rows}, indent=1))  # fmt: skip
+            v1_us, v1_out = time_layer(pool, inputs, chosen, "v1")  # what every output is checked against
+            ref = reference_moe(*inputs[:3], *inputs[3:], [pool], F.silu)
+            v1_ref_err = rel_err(v1_out, ref)
+            for variant in variants:
+                if variant == "v1":
+                    table_us, out = v1_us, v1_out
+                else:
+                    table_us, out = time_layer(pool, inputs, chosen, variant)
+                max_err = rel_err(out, v1_out)
+                best, best_us, tried = chosen, table_us, 1
+                cell_end = time.perf_counter() + max(tune_deadline - time.perf_counter(), 0) / cells_left
+                cells_left -= 1
+                if args.tune:
+                    seen = {effective(chosen, pool)}
+                    for cfg in candidates(t):
+                        if time.perf_counter() > cell_end:
+                            break
+                        if effective(cfg, pool) in seen:
+                            continue
+                        seen.add(effective(cfg, pool))
+                        try:
+                            us, out = time_layer(pool, inputs, cfg, variant)
+                        except Exception as e:  # a tile that does not fit in shared memory
+                            print(f"  {variant} {fmt} T={t} {cfg}: {type(e).__name__}", flush=True)
+                            continue
+                        tried += 1
+                        err = rel_err(out, v1_out)
+                        max_err = max(max_err, err)
+                        if err > args.max_err:
+                            print(f"  WRONG {variant} {fmt} T={t} {cfg}: error {err:.2e} to v1", flush=True)
+                        elif us < best_us:
+                            best, best_us = cfg, us
+                    if variant == args.table_variant:
+                        table[table_key(t, hidden, inter, pool.format.name)] = best
+                ok = max_err <= args.max_err and v1_ref_err <= args.max_err
+                failed |= not ok
+                rows.append({"variant": variant, "format": fmt, "tokens": t, "bytes": nbytes,
+                             "roofline_us": round(roof_us, 2), "table": as_json({"c": chosen})["c"],
+                             "table_us": round(table_us, 2), "best": as_json({"c": best})["c"],
+                             "best_us": round(best_us, 2), "vs_roofline": round(best_us / roof_us, 2),
+                             "tiles_tried": tried, "max_rel_err": max_err, "v1_ref_err": v1_ref_err,
+                             "ok": ok})  # fmt: skip
+                flag = "" if ok else f"  WRONG (error > {args.max_err:g})"
+                print(f"{variant:4s} {fmt:10s} T={t:5d} roofline {roof_us:7.1f} us | table tiles "
+                      f"{table_us:8.1f} us x{table_us / roof_us:6.2f} | best {best_us:8.1f} us "
+                      f"x{best_us / roof_us:6.2f} {tuple(rows[-1]['best'].values())} ({tried} tried) | "
+                      f"err vs v1 {max_err:.1e}, v1 vs ref {v1_ref_err:.1e}{flag}", flush=True)  # fmt: skip
+                result = {"shape": args.shape, "gpu": gpu, "torch": torch.__version__, "rows": rows}
+                Path(args.out).write_text(json.dumps(result, indent=1))
     if args.write_table and table:
         existing = json.loads(TABLE_PATH.read_text()) if TABLE_PATH.exists() else {"configs": {}}
         existing["configs"].update(as_json(table))
-        existing["note"] = f"tuned by scripts/tune_fused_moe.py on {torch.cuda.get_device_name()}"
+        existing["note"] = f"tuned by scripts/tune_fused_moe.py on {gpu} (packed tiles {args.table_variant})"
         Path(args.out).with_name("fused_moe_configs.json").write_text(json.dumps(existing, indent=1))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The fused MoE kernel (`compute/fused_moe.py`) equals the per-expert PyTorch reference, for any
-number of tokens, every slot format (dense, int4, int2, int2 gate_up + int4 down) and slot tables
-that mix pools in one layer.
+number of tokens, every slot format (dense, int4, int2, int2 gate_up + int4 down), slot tables
+that mix pools in one layer and each packed tile product (`fused_moe.PACKED_TILES`: the default in
+every test, the others in `test_fused_kernel_packed_tile_products`).
 
 Kernel tests run compiled on CUDA; on CPU they run under Triton's interpreter in a fresh process
 (`test_fused_kernel_under_interpreter`; see `triton_interpreter.py`).
@@ -20,7 +21,7 @@ from moetide.compute.fused_moe_config import KernelConfig, config_for, default_c
 from moetide.residency.slot_table import NOT_RESIDENT, Pool, dense_format, packed_format
 from moetide.store import quant
 
-MIN_INTERPRETER_PASSES = 25
+MIN_INTERPRETER_PASSES = 42
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +131,42 @@ def test_fused_kernel_mixed_table(kernel, dtype, num_tokens):
     ref = reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu)
     assert out.shape == hidden.shape and out.dtype == dtype
     assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("packed_tile", ["v2", "v2i"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 33, 80])
+def test_fused_kernel_packed_tile_products(kernel, packed_tile, dtype, num_tokens):
+    """The factored packed tile products equal the reference for int4, int2 and int2 gate_up + int4 down
+    pools beside a dense one in one layer: GEMV tiles (T=1), 16-row blocks with a padded last block
+    (T=3, 33) and 64-row blocks (T=80). H=128, I=64: int2's tiles take tl.dot in both projections
+    (16 bytes of codes per K-tile), gate_up has two K-tiles per row, inside one group (int2) or one
+    group each (int4)."""
+    hidden_size, inter = 128, 64
+    pools = [
+        make_pool(3, inter, hidden_size, "hi", dtype, seed=1),
+        make_pool(3, inter, hidden_size, "int4", dtype, seed=2),
+        make_pool(3, inter, hidden_size, "int2", dtype, seed=3),
+        mixed_pool(3, inter, hidden_size, dtype, seed=4),
+    ]
+    pool_of, slot_of = table(E, [3, 3, 3, 3], seed=num_tokens)
+    ids, weights = routing(num_tokens, E, TOP_K, dtype, seed=num_tokens)
+    hidden = torch.randn(num_tokens, hidden_size, generator=torch.Generator().manual_seed(7)).to(dtype)
+    hidden = hidden.to(kernel_device())
+    out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools, packed_tile=packed_tile)
+    ref = reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu)
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype)
+
+
+def test_fused_kernel_packed_tile_names(kernel):
+    pools = [make_pool(2, I, H, "int4", torch.float32)]
+    ids, weights = routing(2, E, TOP_K, torch.float32, seed=9)
+    pool_of = torch.zeros(E, dtype=torch.int32, device=kernel_device())
+    hidden = torch.randn(2, H).to(kernel_device())
+    with pytest.raises(ValueError, match="packed_tile"):
+        kernel.fused_moe(hidden, ids, weights, pool_of, pool_of, pools, packed_tile="v0")
+    assert kernel.PACKED_TILE in kernel.PACKED_TILES
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3])

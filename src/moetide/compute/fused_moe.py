@@ -20,11 +20,26 @@ Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed 
 
 Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
 tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
-gptq/awq kernel), each bit field dotted with its strided slice of the activations, scaled by the
-group's float16 scale and offset and rounded to the activation dtype first (`_tile_product`). gate_up and down each carry their own format, so one expert version may
-hold int2 gate_up with int4 down. Mixed precision inside a layer costs one launch pair per pool over
-the same sorted blocks (the alternative, one launch with a per-block format, would compile every
-format pair into one kernel; see BENCHMARKS.md for the measurement).
+gptq/awq kernel). A K-tile of a packed matrix lies inside one group, so each output column has one
+float16 scale s and offset o per tile. Three tile products, picked by `PACKED_TILE` (environment
+MOETIDE_PACKED_TILE, default v1) or per call (`fused_moe(packed_tile=...)`), to be measured against
+each other on the GPU (`scripts/tune_fused_moe.py --variants`):
+  v1   every weight dequantized in float32 (c * s + o) and rounded to the activation dtype, each bit
+       field dotted with its strided slice of the activations, loaded from memory once per field
+       (`_tile_product`): the reference's rounding.
+  v2   s and o factored out of the dot, a . w = s (a . c) + o sum(a): the raw codes are converted
+       straight to the activation dtype (exact) and the row sums are taken once per K-tile; the
+       activation tile is loaded once per K-tile (for gate and up together), contiguously, and split
+       into its bit-field slices in registers (`_act_tile`, `_packed_product`).
+  v2i  as v2, but the codes are put back into K order in registers and dotted once with the whole
+       activation tile.
+v2 and v2i round no weight: their results differ from the reference (which rounds the dequantized
+weights to the activation dtype before its matmul) by that rounding, ~2^-9 relative per weight for
+bf16 activations, none for float32. The GEMV tiles (BLOCK_M 1) follow the same switch, in float32.
+gate_up and down each carry their own format, so one expert version may hold int2 gate_up with int4
+down. Mixed precision inside a layer costs one launch pair per pool over the same sorted blocks (the
+alternative, one launch with a per-block format, would compile every format pair into one kernel;
+see BENCHMARKS.md for the measurement).
 
 Import this module only where triton is installed; on CPU it runs under Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported), which the tests use.
@@ -41,6 +56,12 @@ import triton.language as tl
 
 from .fused_moe_config import KernelConfig, config_for
 from ..residency.slot_table import MatrixFormat, Pool
+
+# The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix).
+PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3}
+PACKED_TILE = os.environ.get("MOETIDE_PACKED_TILE", "v1")
+if PACKED_TILE not in PACKED_TILES:
+    raise ValueError(f"MOETIDE_PACKED_TILE must be one of {sorted(PACKED_TILES)}, got {PACKED_TILE!r}")
 
 
 @triton.jit
@@ -77,7 +98,8 @@ def _tile_product(
     interleaved back into K order: field f of every byte holds the elements k0 + j * per_byte + f,
     so it is dotted with that strided slice of `a` (int4: two dots per tile, int2: four). The tile
     lies inside one group (GROUP % BLOCK_K == 0): one scale and offset per column. Dequantized
-    weights are rounded to a's dtype before the dot, as the reference's weights are."""
+    weights are rounded to a's dtype before the dot, as the reference's weights are (packed tile
+    product v1; v2 and v2i: `_packed_product`)."""
     dtype = a_ptr.dtype.element_ty
     if BITS >= 8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -105,6 +127,89 @@ def _tile_product(
             codes = ((packed >> (f * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
             acc += _mm(a, (codes * scale + offset).to(dtype), BLOCK_M, DOT_PRECISION)
         return acc
+
+
+@triton.jit
+def _act_tile(a_ptr, a_rows, stride_a, a_mask, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """a[a_rows, k0 : k0 + BLOCK_K] (zeros past K), contiguous along K, and its row sums in float32
+    (BLOCK_M, 1): what the factored packed products (`_packed_product`) of one K-tile share."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]
+    a = tl.load(a_ptrs, mask=a_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    return a, tl.sum(a.to(tl.float32), axis=1)[:, None]
+
+
+@triton.jit
+def _packed_product(
+    a,
+    a_sum,
+    data_ptr,
+    param_ptr,
+    row,
+    row_data,
+    row_param,
+    data_off,
+    scale_off,
+    offset_off,
+    offs_n,
+    n_mask,
+    k0,
+    K: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_tile_product` of a packed W with the group's scale s and offset o factored out of the dot
+    (v2, v2i): a (BLOCK_M, BLOCK_K) and a_sum its row sums (`_act_tile`); inside the tile's group
+    w[k, n] = s[n] * c[k, n] + o[n], so a @ w = s * (a @ c) + o * sum(a).
+
+    The raw codes c are converted straight to a's dtype (0..15 are exact in bf16 / fp16 / fp32;
+    float32 for the GEMV tiles, which multiply in float32): per weight a shift, a mask and a
+    convert. INTERLEAVE (v2i): the codes are put back into K order in registers (byte j, field f ->
+    row j * per_byte + f) and dotted once with a. Else (v2): a is split into its per_byte strided
+    field slices in registers (field f of byte j multiplies element j * per_byte + f) and each is
+    dotted with its field of the bytes.
+
+    Numerics: the weights are never rounded (the reference rounds the dequantized weights to a's
+    dtype before its matmul, as v1 does); a . c is exact products summed in float32, and the float16
+    scale and offset are applied in float32 after the dot."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BYTES_K: tl.constexpr = BLOCK_K // PER_BYTE
+    ROW_BYTES: tl.constexpr = K // PER_BYTE
+    MASK: tl.constexpr = (1 << BITS) - 1
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    offs_b = k0 // PER_BYTE + tl.arange(0, BYTES_K)
+    b_mask = offs_b < ROW_BYTES
+    w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES + offs_b[:, None]
+    packed = tl.load(w_ptrs, mask=b_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)  # (BYTES_K, N)
+    params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
+    scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)
+    offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)
+    # the interpreter converts int32 to bf16 wrongly (triton 3.9: the integer's bits, as a denormal);
+    # there the codes go to float32, as its dots widen to float32 anyway (`_WIDEN_DOT`)
+    cdtype = a.dtype if BLOCK_M > 1 and not _WIDEN_DOT else tl.float32
+    if INTERLEAVE:
+        shifts = tl.arange(0, PER_BYTE) * BITS
+        codes = (packed[:, None, :] >> shifts[None, :, None]) & MASK  # (BYTES_K, PER_BYTE, N): [j, f, n]
+        dot = _mm(a, tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(cdtype), BLOCK_M, DOT_PRECISION)
+    else:
+        tl.static_assert(BITS == 4 or BITS == 2, "packed codes are int4 or int2")
+        if BITS == 4:  # element 2j + f is [j, f]
+            a0, a1 = tl.split(tl.reshape(a, (BLOCK_M, BYTES_K, 2)))
+            dot = _mm(a0, (packed & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
+            dot += _mm(a1, ((packed >> 4) & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
+        else:  # element 4j + 2p + q is [j, p, q]: field f = 2p + q
+            even, odd = tl.split(tl.reshape(a, (BLOCK_M, BYTES_K, 2, 2)))
+            a0, a2 = tl.split(even)
+            a1, a3 = tl.split(odd)
+            dot = _mm(a0, (packed & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
+            dot += _mm(a1, ((packed >> 2) & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
+            dot += _mm(a2, ((packed >> 4) & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
+            dot += _mm(a3, ((packed >> 6) & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
+    return dot * scale[None, :] + a_sum * offset[None, :]
 
 
 # Triton's interpreter (CPU tests) computes tl.dot of bf16 operands wrongly (triton 3.9: errors of
@@ -168,6 +273,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """h[sorted position] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T)."""
@@ -182,12 +288,22 @@ def _gate_up_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
         for k0 in range(0, HIDDEN, BLOCK_K):
-            acc_gate += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
-                                      row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, HIDDEN,
-                                      BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
-            acc_up += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
-                                    row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask, k0,
-                                    HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            if BITS < 8 and PACKED > 1:  # v2 / v2i: one activation tile and its row sums for gate and up
+                a, a_sum = _act_tile(x_ptr, token, stride_x, m_mask, k0, HIDDEN, BLOCK_K)
+                acc_gate += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
+                                            scale_off, offset_off, offs_n, n_mask, k0, HIDDEN, BITS, GROUP,
+                                            BLOCK_M, BLOCK_K, PACKED == 3, DOT_PRECISION)  # fmt: skip
+                acc_up += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
+                                          scale_off, offset_off, offs_n + INTER, n_mask, k0, HIDDEN, BITS,
+                                          GROUP, BLOCK_M, BLOCK_K, PACKED == 3, DOT_PRECISION)  # fmt: skip
+            else:
+                acc_gate += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row,
+                                          row_data, row_param, data_off, scale_off, offset_off, offs_n,
+                                          n_mask, k0, HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K,
+                                          DOT_PRECISION)  # fmt: skip
+                acc_up += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
+                                        row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask,
+                                        k0, HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
         h_ptrs = h_ptr + offs_m[:, None] * INTER + offs_n[None, :]
         tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
@@ -219,6 +335,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """y[pair] (BLOCK_N columns) = routing[pair] * (h[sorted position] @ Wd^T), float32."""
@@ -230,9 +347,15 @@ def _down_kernel(
         n_mask = offs_n < HIDDEN
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
-            acc += _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param,
-                                 data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP,
-                                 BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+            if BITS < 8 and PACKED > 1:
+                a, a_sum = _act_tile(h_ptr, offs_m, INTER, m_mask, k0, INTER, BLOCK_K)
+                acc += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
+                                       scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP, BLOCK_M,
+                                       BLOCK_K, PACKED == 3, DOT_PRECISION)  # fmt: skip
+            else:
+                acc += _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data,
+                                     row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER,
+                                     BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
         weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
         y_ptrs = y_ptr + pair[:, None] * HIDDEN + offs_n[None, :]
         tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
@@ -270,8 +393,10 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pair, block_expert
 
 
-def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, config, **args):
-    """One launch of `kernel` over `pool`'s rows for one projection (`matrix`), its tiles from `config`."""
+def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, config, packed_tile: str,
+                   **args):  # fmt: skip
+    """One launch of `kernel` over `pool`'s rows for one projection (`matrix`), its tiles from `config`
+    and, if packed, its tile product from `packed_tile` (a `PACKED_TILES` name)."""
     data = pool.data_view(matrix)
     params = pool.param_view()
     block_k = config.block_k if not matrix.packed else min(config.block_k, matrix.group_size)
@@ -289,6 +414,7 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
         GROUP=max(matrix.group_size, 1),
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
+        PACKED=PACKED_TILES[packed_tile] if matrix.packed else 0,  # one compiled dense kernel for all
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -312,12 +438,16 @@ def fused_moe(
     slot_of: torch.Tensor,
     pools: list[Pool],
     config: KernelConfig | None = None,
+    packed_tile: str | None = None,
 ) -> torch.Tensor:
     """Routed experts of one layer from the pools' rows through the slot table: `(T, H)`.
 
     `pools[i]` is pool id i (None: a pool without slots). Experts whose `pool_of` is -1 contribute
-    nothing. No host sync.
+    nothing. No host sync. `packed_tile`: the packed tile product (`PACKED_TILES`), None = `PACKED_TILE`.
     """
+    packed_tile = PACKED_TILE if packed_tile is None else packed_tile
+    if packed_tile not in PACKED_TILES:
+        raise ValueError(f"packed_tile must be one of {sorted(PACKED_TILES)}, got {packed_tile!r}")
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -354,8 +484,9 @@ def fused_moe(
             continue
         f = pool.format
         _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
-                       f.gate_up, config, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
+                       f.gate_up, config, packed_tile, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
                        TOP_K=top_k, **common)  # fmt: skip
         _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
-                       f.down, config, h_ptr=h, y_ptr=y, routing_ptr=routing, **common)  # fmt: skip
+                       f.down, config, packed_tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
+                       **common)  # fmt: skip
     return y.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
