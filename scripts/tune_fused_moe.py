@@ -180,7 +180,8 @@ def main() -> int:
     ap.add_argument("--tune", action="store_true", help="sweep tiles per (variant, format, T)")
     ap.add_argument("--tune-seconds", type=float, default=60, help="all tuning together stops after this")
     ap.add_argument("--write-table", action="store_true", help="write fused_moe_configs.json next to --out")
-    ap.add_argument("--table-variant", default=fm.PACKED_TILE, help="whose best tiles --write-table writes")
+    ap.add_argument("--table-variant", default=fm.PACKED_TILE or "v1",
+                    help="whose best tiles --write-table writes")  # fmt: skip
     workers = min(8, (os.cpu_count() or 2) // 2) if DEVICE == "cuda" else 0
     ap.add_argument("--compile-workers", type=int, default=workers,
                     help="processes compiling every kernel of the run first (0: as the timings go)")

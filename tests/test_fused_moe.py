@@ -166,7 +166,10 @@ def test_fused_kernel_packed_tile_names(kernel):
     hidden = torch.randn(2, H).to(kernel_device())
     with pytest.raises(ValueError, match="packed_tile"):
         kernel.fused_moe(hidden, ids, weights, pool_of, pool_of, pools, packed_tile="v0")
-    assert kernel.PACKED_TILE in kernel.PACKED_TILES
+    assert kernel.PACKED_TILE is None or kernel.PACKED_TILE in kernel.PACKED_TILES
+    from moetide.compute.fused_moe_config import _table
+
+    assert {c.packed_tile for c in _table().values()} <= set(kernel.PACKED_TILES)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3])

@@ -21,9 +21,11 @@ Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed 
 Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
 tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
 gptq/awq kernel). A K-tile of a packed matrix lies inside one group, so each output column has one
-float16 scale s and offset o per tile. Three tile products, picked by `PACKED_TILE` (environment
-MOETIDE_PACKED_TILE, default v1) or per call (`fused_moe(packed_tile=...)`), to be measured against
-each other on the GPU (`scripts/tune_fused_moe.py --variants`):
+float16 scale s and offset o per tile. Three tile products, picked per (T bucket, format) by the
+tile table (`KernelConfig.packed_tile`), or for every call by MOETIDE_PACKED_TILE, or per call
+(`fused_moe(packed_tile=...)`); measured against each other on the H200 (`scripts/tune_fused_moe.py
+--variants`, BENCHMARKS.md), v2 is the table's choice where it was faster (T = 128, int2 at T = 1)
+and v1 elsewhere; v2i was never clearly faster and stays for comparison only:
   v1   every weight dequantized in float32 (c * s + o) and rounded to the activation dtype, each bit
        field dotted with its strided slice of the activations, loaded from memory once per field
        (`_tile_product`): the reference's rounding.
@@ -59,8 +61,8 @@ from ..residency.slot_table import MatrixFormat, Pool
 
 # The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix).
 PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3}
-PACKED_TILE = os.environ.get("MOETIDE_PACKED_TILE", "v1")
-if PACKED_TILE not in PACKED_TILES:
+PACKED_TILE = os.environ.get("MOETIDE_PACKED_TILE") or None  # set: every call's, for A/B runs
+if PACKED_TILE is not None and PACKED_TILE not in PACKED_TILES:
     raise ValueError(f"MOETIDE_PACKED_TILE must be one of {sorted(PACKED_TILES)}, got {PACKED_TILE!r}")
 
 
@@ -443,10 +445,10 @@ def fused_moe(
     """Routed experts of one layer from the pools' rows through the slot table: `(T, H)`.
 
     `pools[i]` is pool id i (None: a pool without slots). Experts whose `pool_of` is -1 contribute
-    nothing. No host sync. `packed_tile`: the packed tile product (`PACKED_TILES`), None = `PACKED_TILE`.
+    nothing. No host sync. `packed_tile`: the packed tile product (`PACKED_TILES`); None = the one
+    MOETIDE_PACKED_TILE names, else the tile table's (`KernelConfig.packed_tile`).
     """
-    packed_tile = PACKED_TILE if packed_tile is None else packed_tile
-    if packed_tile not in PACKED_TILES:
+    if packed_tile is not None and packed_tile not in PACKED_TILES:
         raise ValueError(f"packed_tile must be one of {sorted(PACKED_TILES)}, got {packed_tile!r}")
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
@@ -460,6 +462,7 @@ def fused_moe(
         if _WIDEN_DOT:  # the interpreter runs each program in Python: wide tiles, few programs
             config = replace(config, block_n=max(config.block_n, 128))
     config = _fit_packed_tiles(config, pools)
+    packed_tile = packed_tile or PACKED_TILE or config.packed_tile
     hidden = hidden.contiguous()
     sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), config.block_m)
     h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)

@@ -22,13 +22,15 @@ GEMV_MAX_TOKENS = 2  # up to this many tokens, every pair is its own block (no s
 @dataclass(frozen=True)
 class KernelConfig:
     """block_m rows per block (1 = GEMV), block_n output columns, block_k reduction tile (clamped to
-    the group size of packed matrices), warps and pipeline stages per program."""
+    the group size of packed matrices), warps and pipeline stages per program, and the tile product
+    of packed matrices (`fused_moe.PACKED_TILES`; dense ones ignore it)."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    packed_tile: str = "v1"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):

@@ -105,11 +105,12 @@ class PagedDecodeState:
         host[3 * rows :].view(rows, self.width)[:real, : batch.width] = batch.block_tables
         self.meta.copy_(host)
 
-    def step(self, model, kv, mask_for) -> None:
-        """One decode step on the fixed buffers (what is captured): the mask and each row's length
-        (the kernel path of `PagedKVCache.decode_kernel`) from the positions, the model over the
-        paged cache, the last logits kept."""
-        kv.set_step(self.slot_mapping, self.block_tables, self.positions.view(-1) + 1)
+    def step(self, model, kv, mask_for, in_place: bool = True) -> None:
+        """One decode step on the fixed buffers (what is captured): the mask and, `in_place`, each
+        row's length (the in-place attention of `PagedKVCache.decode_kernel`) from the positions, the
+        model over the paged cache, the last logits kept."""
+        lengths = self.positions.view(-1) + 1 if in_place else None
+        kv.set_step(self.slot_mapping, self.block_tables, lengths)
         mask = mask_for(model.config, self.positions, self.columns)
         out = model(
             input_ids=self.input_ids,
@@ -189,6 +190,9 @@ class GraphedDecoder:
         self.max_rows = max_rows
         self.row_buckets = row_buckets
         self.max_width = max_width
+        # a compiled step keeps the gather: dynamo would trace the in-place attention's kernel launch
+        # and the cache's hand-off of its pools (not measured compiled yet)
+        self.in_place = not compile_step
         self.hooks_at_start = count_forward_hooks(model)
         self.states: OrderedDict[tuple[int, int], PagedDecodeState] = OrderedDict()
         self.graph_pool = None  # the memory pool every captured graph allocates from
@@ -227,7 +231,8 @@ class GraphedDecoder:
         """Blocks per row of the buffers for `batch`: its widest table rounded up to `column_bucket`
         tokens times a power of two; `max_width` where the cache's decode attention reads the pools
         in place (its work follows each row's length, so one width serves every batch)."""
-        if self.kv.decode_kernel and self.max_width is not None and batch.width <= self.max_width:
+        in_place = self.kv.decode_kernel and self.in_place
+        if in_place and self.max_width is not None and batch.width <= self.max_width:
             return self.max_width
         return width_bucket(batch.width, self.column_bucket // self.kv.block_size)
 
@@ -270,7 +275,7 @@ class GraphedDecoder:
             self.replays += 1
         else:
             with sdpa_kernel(self.sdpa_backends):
-                state.step(self.forward, self.kv, self.mask_for)
+                state.step(self.forward, self.kv, self.mask_for, self.in_place)
         self.rows_entered[batch.rows] += 1
         self.padded_rows += rows - batch.rows
         return state.logits[: batch.rows].clone()
@@ -299,7 +304,7 @@ class GraphedDecoder:
             )
         with torch.cuda.stream(side), sdpa_kernel(self.sdpa_backends):
             for _ in range(2):
-                state.step(self.forward, self.kv, self.mask_for)
+                state.step(self.forward, self.kv, self.mask_for, self.in_place)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.graph_pool is None:
@@ -307,7 +312,7 @@ class GraphedDecoder:
         # thread-local: the residency's copies and the layer feed keep running on their own threads
         capture = torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local")
         with capture, sdpa_kernel(self.sdpa_backends):
-            state.step(self.forward, self.kv, self.mask_for)
+            state.step(self.forward, self.kv, self.mask_for, self.in_place)
         state.graph = graph
         state.generation = self.kv.generation
         self.captures += 1
