@@ -263,8 +263,9 @@ async def long_prompt_probe(url: str, model: str, prompts: list[str], args) -> d
 
     `--long-probe-clients` closed-loop clients send short prompts (`--long-probe-output-len` tokens
     out); after `--long-probe-lead-s` one request with a new prompt of about `--long-probe-tokens`
-    tokens joins. Short requests sent before it are the baseline; those sent between it and its first
-    token arrived behind it (a chunked prefill lets them in between its chunks)."""
+    tokens joins, and 50 ms later `--long-probe-followers` short requests at once: they arrive behind
+    it (a chunked prefill lets them in between its chunks). Short requests of the load sent before it
+    are the baseline."""
     short_args = argparse.Namespace(**{**vars(args), "output_len": args.long_probe_output_len})
     limits = httpx.Limits(max_connections=args.long_probe_clients + 8)
     client = httpx.AsyncClient(base_url=url, timeout=args.request_timeout, limits=limits)
@@ -286,17 +287,20 @@ async def long_prompt_probe(url: str, model: str, prompts: list[str], args) -> d
         text = await fit_text(ask, text, args.long_probe_tokens)
         workers = [asyncio.create_task(worker(w)) for w in range(args.long_probe_clients)]
         await asyncio.sleep(args.long_probe_lead_s)
-        long_record = await one_request(client, model, text, short_args, args.long_probe_clients)
-        await asyncio.sleep(args.long_probe_lead_s / 2)  # requests sent just before the first token finish
+        long_task = asyncio.create_task(one_request(client, model, text, short_args, args.long_probe_clients))
+        await asyncio.sleep(0.05)
+        followers = await asyncio.gather(
+            *(ask(prompts[(5 * i + 1) % len(prompts)]) for i in range(args.long_probe_followers))
+        )
+        long_record = await long_task
         stop.set()
         await asyncio.gather(*workers)
     finally:
         await client.aclose()
     start = long_record.sent_at
-    end = start + (long_record.ttft_s or long_record.latency_s)
     ok = [r for r in records if r.error is None and r.ttft_s is not None]
     before = [r.ttft_s for r in ok if r.sent_at < start]
-    behind = [r.ttft_s for r in ok if start <= r.sent_at < end]
+    behind = [r.ttft_s for r in followers if r.error is None and r.ttft_s is not None]
     return {
         "target_tokens": args.long_probe_tokens,
         "clients": args.long_probe_clients,
@@ -306,7 +310,7 @@ async def long_prompt_probe(url: str, model: str, prompts: list[str], args) -> d
         "short_behind": {"n": len(behind), "ttft_p50_s": percentile(behind, 0.5),
                          "ttft_p90_s": percentile(behind, 0.9),
                          "ttft_max_s": max(behind) if behind else None},  # fmt: skip
-        "errors": sum(r.error is not None for r in records),
+        "errors": sum(r.error is not None for r in records + list(followers)),
     }
 
 
@@ -440,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         help="length of the long prompt that joins a load of short requests (the long-prompt probe)",
     )
     parser.add_argument("--long-probe-clients", type=int, default=16)
+    parser.add_argument(
+        "--long-probe-followers", type=int, default=8, help="short requests sent right behind the long one"
+    )
     parser.add_argument("--long-probe-output-len", type=int, default=32)
     parser.add_argument(
         "--long-probe-lead-s", type=float, default=2.0, help="seconds of load before the long prompt joins"

@@ -689,3 +689,19 @@ def test_short_prefill_chunks_ride_in_the_decode_step_and_give_the_same_tokens()
     assert got == want == unfolded
     # the shared request's tail and the short prompt rode along: rows beyond one per sequence
     assert folded >= 2 and max(graphs.rows_entered) > 3, (folded, graphs.rows_entered)
+
+
+def test_the_warm_up_decodes_once_at_every_row_bucket_and_leaves_the_engine_idle():
+    """`LLMEngine.warm_up` (what `moetide serve` runs before its first client): a decode step at each
+    row bucket up to max_num_seqs, from the decoder's buffers; nothing left running or cached."""
+    llm = moetide.LLM(device="cpu", policy="no-offload", dtype="float32", max_num_seqs=6)
+    try:
+        assert llm.engine.warm_up(progress=False) == 0  # no graph decoder (the CPU): nothing to warm
+        graphs = _decoder(llm, capture=False, column_bucket=64)
+        llm.engine.runner.graphs = graphs
+        steps = llm.engine.warm_up(progress=False)
+        assert steps > 0 and not llm.engine.has_unfinished()
+        assert {r for r, _ in graphs.states} == {1, 2, 4, 6}  # buckets 1, 2, 4, then max_num_seqs
+        assert llm.engine.kv_stats()["kv_blocks_used"] == 0
+    finally:
+        llm.close()

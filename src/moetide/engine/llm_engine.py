@@ -9,6 +9,8 @@ one decode forward (every decoding sequence) and one packed prefill forward.
 
 from __future__ import annotations
 
+import sys
+
 import time
 from dataclasses import dataclass
 
@@ -137,6 +139,36 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def warm_up(self, progress: bool = True) -> int:
+        """Before serving: decode once at every row bucket of the CUDA-graph decoder (up to
+        `max_num_seqs`), so that its graphs are captured and every Triton kernel of those shapes is
+        compiled before the first client waits for it (on a fresh machine the first 32-client wave
+        paid both: TTFT p90 6.2 s against 0.6 s at 64 clients after it). Each bucket is a batch of
+        that many 4-token requests asking 2 tokens; their routing reaches the policies as any
+        request's does. Returns the steps run (0: no graph decoder, nothing to warm)."""
+        from .graphed_decode import ROW_BUCKETS
+
+        graphs = self.runner.graphs
+        if graphs is None or self.has_unfinished():
+            return 0
+        buckets = sorted({min(b, self.max_num_seqs) for b in ROW_BUCKETS if b <= self.max_num_seqs}
+                         | {self.max_num_seqs})  # fmt: skip
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        steps = 0
+        for i, rows in enumerate(buckets):
+            if progress:
+                print(f"\r[moetide] warming up: batch {rows} ({i + 1}/{len(buckets)})", end="", file=sys.stderr,
+                      flush=True)  # fmt: skip
+            for r in range(rows):
+                self.add_request([3 + (r + 7 * i) % 97, 5, 7, 11], params)
+            while self.has_unfinished():
+                self.step()
+                steps += 1
+        if progress:
+            print(f"\r[moetide] warmed up: {len(buckets)} batch sizes, {graphs.captures} graphs", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        return steps
 
     # -- postprocess ---------------------------------------------------------------------------------
     def _append_token(self, seq: Sequence, token: int, now: float) -> bool:

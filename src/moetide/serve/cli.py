@@ -41,6 +41,13 @@ def register_cli(subparsers) -> None:
         help="the name clients put in `model` (default: the checkpoint directory's name)",
     )
     p.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="start serving without first decoding once at each CUDA-graph batch size (captures and"
+        " kernel compiles then fall on the first clients)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -123,6 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     config = serve_engine_config(args)
     loaded, engine, tokenizer = build_engine(config, progress=not args.quiet)
+    if args.warm_up and engine.warm_up(progress=not args.quiet):
+        loaded.runtime.metrics.reset()  # the counters /metrics shows start with the first client
     async_engine = AsyncEngine(engine, loaded=loaded, max_queue=args.max_queue)
     name = served_model_name(config, args.served_model_name)
     app = create_app(
