@@ -41,7 +41,7 @@ Variants (name: what is called, per layer unless said otherwise):
   torch_varlen_paged  `torch.nn.attention.varlen.varlen_attn(..., seqused_k=, block_table=)` (torch's
                       built-in FlashAttention-2 with a paged KV; only where its signature has
                       `block_table`), pool viewed `(blocks, 16, kv_heads, dim)`.
-  triton_paged        our Triton paged-decode kernel (`paged_decode` below): one program per
+  triton_paged        our Triton paged-decode kernel (`engine/paged_attention.py`): one program per
                       (row, kv head, split of the row's tokens), all the kv head's query heads at
                       once (GQA), K/V read straight from the pool through the block table, per-row
                       length from a device tensor, online softmax; split-K over the tokens with a
@@ -120,140 +120,18 @@ BATCHES, CONTEXTS = (1, 8, 32, 64), (128, 512, 2048)
 QUICK_BATCHES, QUICK_CONTEXTS = (3,), (37,)
 
 
-# -- our Triton kernel ----------------------------------------------------------------------------------
+# -- our Triton kernel: the engine's (engine/paged_attention.py) ------------------------------------------
 try:
-    import triton
-    import triton.language as tl
+    from moetide.engine.paged_attention import paged_decode_attention
 
     HAS_TRITON = True
 except Exception:  # noqa: BLE001
-    triton = tl = None
     HAS_TRITON = False
 
-if HAS_TRITON:
 
-    @triton.jit
-    def _paged_decode_kernel(
-        Q, K, V, BT, LENS, O, PART_O, PART_ML,
-        stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
-        tokens_per_split, qk_scale,
-        HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    ):  # fmt: skip
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        length = tl.load(LENS + b)
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D)
-        n = tl.arange(0, BLOCK_N)
-        head = kvh * G + g
-        hmask = g < G
-        q_ptr = Q + b * stride_qb + head[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr, mask=hmask[:, None], other=0.0)
-        start = split * tokens_per_split
-        end = tl.minimum(start + tokens_per_split, length)
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
-        for t0 in range(start, end, BLOCK_N):
-            tok = t0 + n
-            valid = tok < end
-            page = tl.load(BT + b * stride_bt + tok // PAGE_SIZE, mask=valid, other=0)
-            slot = page.to(tl.int64) * PAGE_SIZE + tok % PAGE_SIZE
-            k_ptr = K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-            k = tl.load(k_ptr, mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # (G_PAD, BLOCK_N), log2 units
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_ptr = V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :]
-            v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if SPLITS == 1:
-            out = acc / l_i[:, None]
-            o_ptr = O + b * stride_ob + head[:, None] * stride_oh + d[None, :]
-            tl.store(o_ptr, out.to(O.dtype.element_ty), mask=hmask[:, None])
-        else:  # unnormalised partials: (B, HQ, SPLITS, D) and (B, HQ, SPLITS, 2) = (max, sum)
-            part = (b * HQ + head) * SPLITS + split
-            tl.store(PART_O + part[:, None] * D + d[None, :], acc, mask=hmask[:, None])
-            tl.store(PART_ML + part * 2, m_i, mask=hmask)
-            tl.store(PART_ML + part * 2 + 1, l_i, mask=hmask)
-
-    @triton.jit
-    def _combine_splits_kernel(
-        PART_O, PART_ML, O, stride_ob, stride_oh,
-        HQ: tl.constexpr, SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr,
-    ):  # fmt: skip
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        s = tl.arange(0, S_PAD)
-        d = tl.arange(0, D)
-        smask = s < SPLITS
-        part = (b * HQ + h) * SPLITS + s
-        m = tl.load(PART_ML + part * 2, mask=smask, other=float("-inf"))
-        l_s = tl.load(PART_ML + part * 2 + 1, mask=smask, other=0.0)
-        w = tl.where(l_s > 0, tl.exp2(m - tl.max(m, 0)), 0.0)  # empty splits weigh nothing
-        acc = tl.load(PART_O + part[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-        out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
-        tl.store(O + b * stride_ob + h * stride_oh + d, out.to(O.dtype.element_ty))
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def paged_decode_splits(rows: int, kv_heads: int, max_tokens: int, block_n: int, device) -> int:
-    """Splits of each row's tokens: enough programs to fill the GPU twice (static shapes only)."""
-    if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 8
-    return max(1, min(math.ceil(target / (rows * kv_heads)), math.ceil(max_tokens / block_n), 64))
-
-
-def paged_decode(q, k_pool, v_pool, block_tables, lens, *, page_size=PAGE, splits=None, block_n=None):
-    """Attention of one query token per row over its paged K/V.
-
-    q `(B, Hq, 1, D)` or `(B, Hq, D)`; k_pool, v_pool `(slots, Hkv, D)` (last dim contiguous);
-    block_tables `(B, W)` int (physical block ids in token order); lens `(B,)` int32 (tokens per row,
-    the new one included). Returns `(B, Hq, D)` in q's dtype."""
-    rows, hq, d = q.shape[0], q.shape[1], q.shape[-1]
-    hkv = k_pool.shape[1]
-    if hq % hkv or d & (d - 1) or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
-        raise ValueError("paged_decode: needs Hq % Hkv == 0, a power-of-two head dim, contiguous last dims")
-    group = hq // hkv
-    max_tokens = block_tables.shape[1] * page_size
-    if block_n is None:
-        block_n = 64 if q.is_cuda else 32
-    block_n = max(16, min(block_n, _pow2(max_tokens)))
-    if splits is None:
-        splits = paged_decode_splits(rows, hkv, max_tokens, block_n, q.device)
-    per_split = math.ceil(math.ceil(max_tokens / splits) / block_n) * block_n
-    splits = math.ceil(max_tokens / per_split)
-    out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
-    if splits > 1:
-        part_o = torch.empty(rows, hq, splits, d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(rows, hq, splits, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_ml = out  # unused
-    qk_scale = (1.0 / math.sqrt(d)) * 1.4426950408889634
-    _paged_decode_kernel[(rows, hkv, splits)](
-        q, k_pool, v_pool, block_tables, lens, out, part_o, part_ml,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        per_split, qk_scale,
-        HQ=hq, G=group, G_PAD=max(16, _pow2(group)), D=d, PAGE_SIZE=page_size, BLOCK_N=block_n, SPLITS=splits,
-        num_warps=4,
-    )  # fmt: skip
-    if splits > 1:
-        _combine_splits_kernel[(rows, hq)](
-            part_o, part_ml, out, out.stride(0), out.stride(1), HQ=hq, SPLITS=splits, S_PAD=_pow2(splits), D=d
-        )
-    return out
+def paged_decode(q, k_pool, v_pool, block_tables, lens, *, scale, splits=None):
+    """The engine's kernel on a case's `q (B, Hq, 1, D)` -> `(B, Hq, D)`."""
+    return paged_decode_attention(q[:, :, 0], k_pool, v_pool, block_tables, lens, scale, PAGE, splits=splits)
 
 
 # -- cases ----------------------------------------------------------------------------------------------
@@ -566,7 +444,7 @@ def _prep_triton(case: Case, splits):
     def layer(state):
         tables, lens = state
         case.write_new()
-        return paged_decode(case.q, case.pools.k, case.pools.v, tables, lens, splits=splits)
+        return paged_decode(case.q, case.pools.k, case.pools.v, tables, lens, scale=case.scale, splits=splits)
 
     return setup, layer
 

@@ -9,12 +9,17 @@ Kernel tests run compiled on CUDA; on CPU they run under Triton's interpreter in
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interpreter import CUDA, HAS_TRITON, INTERPRETING, kernel_device
+from triton_interpreter import (
+    CUDA,
+    HAS_TRITON,
+    INTERPRETING,
+    assert_kernel_tests_passed,
+    kernel_device,
+    kernel_module,
+)
 
 from moetide.compute.expert_compute import reference_moe
 from moetide.compute.fused_moe_config import KernelConfig, config_for, default_config, t_bucket
@@ -26,19 +31,13 @@ MIN_INTERPRETER_PASSES = 42
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if not (CUDA or INTERPRETING):
-        pytest.skip("on CPU this runs in a subprocess: test_fused_kernel_under_interpreter")
-    return importlib.import_module("moetide.compute.fused_moe")
+    return kernel_module("moetide.compute.fused_moe", "test_fused_kernel_under_interpreter")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(CUDA or INTERPRETING, reason="the kernel tests run in this process")
 def test_fused_kernel_under_interpreter(interpreter_run):
-    run = interpreter_run
-    assert run.result.returncode == 0, run.summary
-    assert run.passed("test_fused_moe.py") >= MIN_INTERPRETER_PASSES, run.summary
+    assert_kernel_tests_passed(interpreter_run, "test_fused_moe.py", MIN_INTERPRETER_PASSES)
 
 
 def random_expert(inter, hidden, g):

@@ -8,12 +8,17 @@ of the session (`test_paged_kernel_under_interpreter`; see triton_interpreter.py
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from tiny_models import FAMILIES, save_tiny_model
-from triton_interpreter import CUDA, HAS_TRITON, INTERPRETING, kernel_device
+from triton_interpreter import (
+    CUDA,
+    HAS_TRITON,
+    INTERPRETING,
+    assert_kernel_tests_passed,
+    kernel_device,
+    kernel_module,
+)
 
 MIN_INTERPRETER_PASSES = 8
 BLOCK = 16
@@ -21,19 +26,13 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if not (CUDA or INTERPRETING):
-        pytest.skip("on CPU this runs in a subprocess: test_paged_kernel_under_interpreter")
-    return importlib.import_module("moetide.engine.paged_attention")
+    return kernel_module("moetide.engine.paged_attention", "test_paged_kernel_under_interpreter")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(CUDA or INTERPRETING, reason="the kernel tests run in this process")
 def test_paged_kernel_under_interpreter(interpreter_run):
-    run = interpreter_run
-    assert run.result.returncode == 0, run.summary
-    assert run.passed("test_paged_attention.py") >= MIN_INTERPRETER_PASSES, run.summary
+    assert_kernel_tests_passed(interpreter_run, "test_paged_attention.py", MIN_INTERPRETER_PASSES)
 
 
 def _paged_case(lengths, query_heads, kv_heads, dim, dtype, width=None, seed=0):

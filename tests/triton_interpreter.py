@@ -28,6 +28,24 @@ def kernel_device() -> str:
     return "cuda" if CUDA else "cpu"
 
 
+def kernel_module(name: str, interpreter_test: str):
+    """The kernel module `name` for a kernel test of this process: skipped without triton, and on a
+    CPU outside the interpreter run (there `interpreter_test` runs the kernel tests in a subprocess)."""
+    import pytest
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not (CUDA or INTERPRETING):
+        pytest.skip(f"on CPU this runs in a subprocess: {interpreter_test}")
+    return importlib.import_module(name)
+
+
+def assert_kernel_tests_passed(run: "InterpreterRun", test_file: str, minimum: int) -> None:
+    """The interpreter run exited cleanly and passed at least `minimum` tests of `test_file`."""
+    assert run.result.returncode == 0, run.summary
+    assert run.passed(test_file) >= minimum, run.summary
+
+
 # The kernel tests of each file, selected by name (a module name would select a whole file).
 KERNEL_TESTS = {
     "test_fused_moe.py": "fused_kernel and not under_interpreter",

@@ -113,22 +113,35 @@ def _tile_product(
         return _mm(a, w.to(dtype), BLOCK_M, DOT_PRECISION)
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
-        BYTES_K: tl.constexpr = BLOCK_K // PER_BYTE
-        ROW_BYTES: tl.constexpr = K // PER_BYTE
-        offs_b = k0 // PER_BYTE + tl.arange(0, BYTES_K)
-        b_mask = offs_b < ROW_BYTES
-        w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES + offs_b[:, None]
-        packed = tl.load(w_ptrs, mask=b_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)  # (BYTES_K, N)
-        params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
-        scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        packed, scale, offset, offs_b, b_mask = _packed_tile(
+            data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, K,
+            BITS, GROUP, BLOCK_K)  # fmt: skip
         acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
         for f in tl.static_range(PER_BYTE):
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + (offs_b * PER_BYTE + f)[None, :],
                         mask=a_mask[:, None] & b_mask[None, :], other=0.0)  # fmt: skip
             codes = ((packed >> (f * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-            acc += _mm(a, (codes * scale + offset).to(dtype), BLOCK_M, DOT_PRECISION)
+            acc += _mm(a, (codes * scale[None, :] + offset[None, :]).to(dtype), BLOCK_M, DOT_PRECISION)
         return acc
+
+
+@triton.jit
+def _packed_tile(data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off, offset_off, offs_n, n_mask,
+                 k0, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The K-tile k0 .. k0 + BLOCK_K of a packed W (layout in `_tile_product`): its codes as whole
+    bytes (BLOCK_K // per_byte, N) int32, the group's float16 scale and offset (N,) float32, the
+    bytes' offsets along the row and their mask."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BYTES_K: tl.constexpr = BLOCK_K // PER_BYTE
+    ROW_BYTES: tl.constexpr = K // PER_BYTE
+    offs_b = k0 // PER_BYTE + tl.arange(0, BYTES_K)
+    b_mask = offs_b < ROW_BYTES
+    w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES + offs_b[:, None]
+    packed = tl.load(w_ptrs, mask=b_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)
+    params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
+    scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)
+    offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)
+    return packed, scale, offset, offs_b, b_mask
 
 
 @triton.jit
@@ -180,16 +193,11 @@ def _packed_product(
     scale and offset are applied in float32 after the dot."""
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_K: tl.constexpr = BLOCK_K // PER_BYTE
-    ROW_BYTES: tl.constexpr = K // PER_BYTE
     MASK: tl.constexpr = (1 << BITS) - 1
     BLOCK_N: tl.constexpr = offs_n.shape[0]
-    offs_b = k0 // PER_BYTE + tl.arange(0, BYTES_K)
-    b_mask = offs_b < ROW_BYTES
-    w_ptrs = data_ptr + row * row_data + data_off + offs_n[None, :] * ROW_BYTES + offs_b[:, None]
-    packed = tl.load(w_ptrs, mask=b_mask[:, None] & n_mask[None, :], other=0).to(tl.int32)  # (BYTES_K, N)
-    params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
-    scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)
-    offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)
+    packed, scale, offset, _offs_b, _b_mask = _packed_tile(
+        data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, K, BITS,
+        GROUP, BLOCK_K)  # fmt: skip
     # the interpreter converts int32 to bf16 wrongly (triton 3.9: the integer's bits, as a denormal);
     # there the codes go to float32, as its dots widen to float32 anyway (`_WIDEN_DOT`)
     cdtype = a.dtype if BLOCK_M > 1 and not _WIDEN_DOT else tl.float32

@@ -123,10 +123,6 @@ def _combine_splits_kernel(
     tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def supports(query_heads: int, kv_heads: int, head_dim: int, value_dim: int) -> bool:
     """Whether the kernel takes an attention of these heads: grouped query heads, one power-of-two
     head dim for keys and values."""
@@ -155,9 +151,11 @@ def paged_decode_attention(
     lengths: torch.Tensor,
     scaling: float,
     block_size: int,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over its paged keys and values -> `(B, Hq, D)` (shapes
-    in the module docstring). No host sync; capturable in a CUDA graph."""
+    in the module docstring). No host sync; capturable in a CUDA graph. `splits`: of each row's
+    tokens, None = `num_splits` (1: no combine kernel)."""
     rows, query_heads, dim = query.shape
     kv_heads = keys.shape[1]
     if not supports(query_heads, kv_heads, dim, values.shape[-1]):
@@ -166,7 +164,7 @@ def paged_decode_attention(
     if query.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("paged decode attention needs contiguous head dims")
     max_tokens = block_tables.shape[1] * block_size
-    splits = num_splits(rows, kv_heads, max_tokens, query.device)
+    splits = splits or num_splits(rows, kv_heads, max_tokens, query.device)
     per_split = -(-(-(-max_tokens // splits)) // TOKENS_PER_STEP) * TOKENS_PER_STEP
     splits = -(-max_tokens // per_split)
     out = torch.empty(rows, query_heads, dim, dtype=query.dtype, device=query.device)
@@ -181,12 +179,12 @@ def paged_decode_attention(
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         per_split, float(scaling) * LOG2_E,
-        HQ=query_heads, GROUP=group, GROUP_PAD=max(16, _pow2(group)), D=dim, BLOCK_SIZE=block_size,
-        BLOCK_N=TOKENS_PER_STEP, SPLITS=splits, IEEE=query.dtype == torch.float32, num_warps=4,
+        HQ=query_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim,
+        BLOCK_SIZE=block_size, BLOCK_N=TOKENS_PER_STEP, SPLITS=splits, IEEE=query.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(rows, query_heads)](
             part_acc, part_stats, out, out.stride(0), out.stride(1),
-            HQ=query_heads, SPLITS=splits, SPLITS_PAD=_pow2(splits), D=dim,
+            HQ=query_heads, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), D=dim,
         )  # fmt: skip
     return out
