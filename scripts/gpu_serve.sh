@@ -2,7 +2,7 @@
 # One GPU-machine call for the serving engine: the real `moetide serve` under 32 and 64 streaming
 # clients (held-out ShareGPT prompts), the prefix probe, and the same levels served by other versions'
 # source trees in the same call. Steps named in $@:
-#   gputests   the paged-KV / graphed-decode GPU tests
+#   gputests   the paged-KV / graphed-decode GPU tests (or those of TEST_FILES)
 #   demo       the demo model, combined at 1 GiB (the setting of the first serving run)
 #   olmoe      the OLMoE-1B-7B shape (random weights, a word tokenizer: the prompts' words go as token
 #              ids, `--word-ids`), combined at 4 GiB, with the prefix and long-prompt probes
@@ -30,11 +30,12 @@ SERVE_EXTRA=${SERVE_EXTRA:-}  # more `moetide serve` options for this tree's ser
 for base in ${BASELINES:-}; do  # a source tree without the package data: take this tree's
   for d in demo_model data; do [ -e "$base/moetide/$d" ] || cp -r "src/moetide/$d" "$base/moetide/$d"; done
 done
-serve() {  # serve NAME SECONDS BENCH-ARGS... -- SERVE-ARGS...
+serve() {  # serve NAME SECONDS BENCH-ARGS... -- SERVE-ARGS...   (the server's step log: $OUT/NAME.steps.jsonl)
   local name=$1 secs=$2; shift 2
-  timeout $(T $secs) python3 scripts/bench_server.py --out "$OUT/$name.json" "$@" 2>&1 \
+  MOETIDE_STEP_LOG="$OUT/$name.steps.jsonl" timeout $(T $secs) python3 scripts/bench_server.py --out "$OUT/$name.json" "$@" 2>&1 \
     | grep -v "loading weights\|it/s\]\|Warn" | tail -9
-  pkill -f "moetide.cli serve" ; sleep 1 ; true
+  pkill -f "moetide.cli serve" ; sleep 1
+  python3 scripts/step_log.py "$OUT/$name.steps.jsonl" 2>&1 | tail -16 ; true
 }
 synthetic_olmoe() {  # the OLMoE-shape checkpoint (random weights), written once per machine
   [ -f $OLMOE/model.safetensors.index.json ] || timeout $(T 120) python3 -c \
@@ -44,7 +45,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T), $((DEADLINE - SECONDS)) s left"
   case "$step" in
     gputests) timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short -W ignore --show-capture=no \
-                tests/test_paged_kv.py tests/test_graphed_decode.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -40 ;;
+                ${TEST_FILES:-tests/test_paged_kv.py tests/test_graphed_decode.py} ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -40 ;;
     demo)
       serve demo_serve 150 --concurrency 32 64 $LEVEL_ARGS --prefix-probe-tokens 1000 -- \
         --model $DEMO --policy combined --gpu-memory 1GiB --max-num-seqs 64

@@ -705,3 +705,35 @@ def test_the_warm_up_decodes_once_at_every_row_bucket_and_leaves_the_engine_idle
         assert llm.engine.kv_stats()["kv_blocks_used"] == 0
     finally:
         llm.close()
+
+
+def _compiled_fused_kernels() -> int:
+    """Compiled variants of the fused MoE kernels, over every device (Triton's per-device caches)."""
+    from moetide.compute import fused_moe
+
+    kernels = (fused_moe._gate_up_kernel, fused_moe._down_kernel)
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_after_the_warm_up_no_prompt_length_compiles_a_kernel():
+    """The warm-up prefills once per tile bucket of the fused MoE kernel, and the kernels do not
+    specialise on the number of pairs: prompts of any length up to the prefill chunk, alone or
+    joining a decode, then compile nothing (a compile stalled every client of a wave once)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = moetide.LLM(device="cuda", policy="combined", gpu_memory="1GiB", dtype="bfloat16", max_num_seqs=8)
+    try:
+        assert llm.engine.warm_up(progress=False) > 0 and not llm.engine.has_unfinished()
+        warmed = _compiled_fused_kernels()
+        assert warmed > 0
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        engine = llm.engine
+        for length in (33, 40, 77, 129, 200, 301, 511):
+            engine.add_request([5 + (length + j) % 200 for j in range(length)], params)
+            engine.add_request([9, 8, 7], params)
+            while engine.has_unfinished():
+                engine.step()
+        assert _compiled_fused_kernels() == warmed
+    finally:
+        llm.close()

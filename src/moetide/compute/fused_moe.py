@@ -256,7 +256,7 @@ def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_
     return runs, row, offs_m.to(tl.int64), pair.to(tl.int64), pair < num_pairs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one compile for every T of a tile bucket
 def _gate_up_kernel(
     x_ptr,
     stride_x,
@@ -319,7 +319,7 @@ def _gate_up_kernel(
         tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one compile for every T of a tile bucket
 def _down_kernel(
     h_ptr,
     y_ptr,

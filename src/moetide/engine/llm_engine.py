@@ -72,6 +72,7 @@ class LLMEngine:
             blocks, max_num_seqs=max_num_seqs, prefill_chunk_tokens=prefill_chunk_tokens
         )
         self.steps = 0
+        self.last_step: dict = {}  # the last step's shape: decode rows, prefill tokens, folded, queue
 
     @property
     def waiting(self):
@@ -141,33 +142,50 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     def warm_up(self, progress: bool = True) -> int:
-        """Before serving: decode once at every row bucket of the CUDA-graph decoder (up to
-        `max_num_seqs`), so that its graphs are captured and every Triton kernel of those shapes is
-        compiled before the first client waits for it (on a fresh machine the first 32-client wave
-        paid both: TTFT p90 6.2 s against 0.6 s at 64 clients after it). Each bucket is a batch of
-        that many 4-token requests asking 2 tokens; their routing reaches the policies as any
-        request's does. Returns the steps run (0: no graph decoder, nothing to warm)."""
+        """Before serving, on CUDA: run every shape a client's request can meet once, so that each
+        decode graph is captured and each Triton kernel is compiled before anyone waits for it.
+
+        - Decode once at every row bucket of the CUDA-graph decoder (up to `max_num_seqs`): a batch of
+          that many 4-token requests asking 2 tokens.
+        - Prefill once at every tile bucket of the fused MoE kernel that a packed prefill row can
+          reach (`t_bucket` of more tokens than ride in a decode step, up to the step's prefill
+          budget): one request of that many prompt tokens. A prefill of a new bucket compiles the
+          kernel's gate_up and down for every pool (about a second each on the H200), which
+          stalled every client of a wave once: TTFT p90 2.4 s at 64 clients, 3.1 s for a 2k-token
+          prompt whose compute is 0.2 s.
+
+        Their routing reaches the policies as any request's does. Returns the steps run (0: no graph
+        decoder and not CUDA, nothing to warm)."""
+        from ..compute.fused_moe_config import t_bucket
         from .graphed_decode import row_bucket
 
-        graphs = self.runner.graphs
-        if graphs is None or self.has_unfinished():
+        if self.has_unfinished():
             return 0
-        # the decoder's own buckets of every batch size the engine runs
-        sizes = range(1, self.max_num_seqs + 1)
-        buckets = sorted({row_bucket(rows, graphs.max_rows, graphs.row_buckets) for rows in sizes})
+        graphs = self.runner.graphs
+        batches: list[tuple[int, int]] = []  # (requests, prompt tokens each)
+        if graphs is not None:
+            sizes = range(1, self.max_num_seqs + 1)
+            buckets = sorted({row_bucket(rows, graphs.max_rows, graphs.row_buckets) for rows in sizes})
+            batches += [(rows, 4) for rows in buckets]
+        if self.runner.device.type == "cuda":  # the fused MoE kernel (Triton) runs on CUDA only
+            budget = min(self.scheduler.prefill_chunk_tokens, self.max_model_len - 2)
+            lengths = {t_bucket(n) for n in range(self.runner.fold_prefill_tokens + 1, budget + 1)}
+            batches += [(1, min(n, budget)) for n in sorted(lengths)]
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         steps = 0
-        for i, rows in enumerate(buckets):
+        for i, (rows, prompt_len) in enumerate(batches):
             if progress:
-                print(f"\r[moetide] warming up: batch {rows} ({i + 1}/{len(buckets)})", end="", file=sys.stderr,
+                what = f"batch {rows}" if prompt_len == 4 else f"prefill {prompt_len}"
+                print(f"\r[moetide] warming up: {what} ({i + 1}/{len(batches)})   ", end="", file=sys.stderr,
                       flush=True)  # fmt: skip
             for r in range(rows):
-                self.add_request([3 + (r + 7 * i) % 97, 5, 7, 11], params)
+                self.add_request([3 + (r + 7 * i + j) % 97 for j in range(prompt_len)], params)
             while self.has_unfinished():
                 self.step()
                 steps += 1
         if progress:
-            print(f"\r[moetide] warmed up: {len(buckets)} batch sizes, {graphs.captures} graphs", file=sys.stderr,
+            captured = f", {graphs.captures} graphs" if graphs is not None else ""
+            print(f"\r[moetide] warmed up: {len(batches)} shapes{captured}          ", file=sys.stderr,
                   flush=True)  # fmt: skip
         return steps
 
@@ -214,6 +232,9 @@ class LLMEngine:
         self.runner.kv.reserve(self.blocks.high_water)
         # short prefill chunks ride in the decode step where the graphed decoder takes the rows
         fold = bool(scheduled.prefill) and self.runner.folds(scheduled.decode, scheduled.prefill)
+        self.last_step = {"decode": len(scheduled.decode), "prefill": sum(n for _, n in scheduled.prefill),
+                          "fold": fold, "running": len(self.running),
+                          "waiting": len(self.waiting)}  # fmt: skip
         if scheduled.decode or fold:
             chunks = scheduled.prefill if fold else []
             logits = self.runner.decode(scheduled.decode, chunks)

@@ -16,7 +16,9 @@ requests in the batch with an "error" event and the thread carries on with the q
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -31,6 +33,8 @@ from ..errors import ConfigError, MoetideError
 from .metrics import ServerMetrics
 
 log = logging.getLogger("moetide.serve")
+
+STEP_LOG_ENV = "MOETIDE_STEP_LOG"  # a path: one JSON line per engine-thread iteration (what it ran, how long)
 
 
 class QueueFullError(MoetideError):
@@ -142,6 +146,9 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._last_expert_refresh_s = 0.0
         self._thread: threading.Thread | None = None
+        step_log = os.environ.get(STEP_LOG_ENV)
+        # lives as long as the engine thread, line-buffered
+        self._step_log = open(step_log, "a", buffering=1) if step_log else None  # noqa: SIM115
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -284,15 +291,31 @@ class AsyncEngine:
         for request_id in aborts:
             if request_id in self._tracked:
                 self.engine.abort(request_id)
-        if self.engine.has_unfinished():
+        start = time.perf_counter()
+        stepped = self.engine.has_unfinished()
+        if stepped:
             try:
                 self.engine.step()
             except Exception as exc:
                 log.exception("engine step failed; failing the requests in the batch")
                 self.metrics.engine_errors.inc()
                 self._fail_in_flight(exc)
+        stepped_s = time.perf_counter()
         self._publish_counts()  # before the events: a client that reacts to one sees current counts
         self._deliver()
+        if self._step_log is not None:
+            self._log_iteration(start, stepped_s, len(new), stepped)
+
+    def _log_iteration(self, start: float, stepped_s: float, added: int, stepped: bool) -> None:
+        """One line of the step log: when (perf_counter s), the step's and the delivery's seconds,
+        requests added, and the step's shape (`LLMEngine.last_step`)."""
+        line = {"t": round(start, 4), "step_s": round(stepped_s - start, 5),
+                "deliver_s": round(time.perf_counter() - stepped_s, 5), "added": added,
+                **(self.engine.last_step if stepped else {})}  # fmt: skip
+        try:
+            self._step_log.write(json.dumps(line) + "\n")
+        except (OSError, ValueError):  # a full disk must not take the engine down
+            self._step_log = None
 
     def _add(self, stream: RequestStream) -> None:
         tracked = _Tracked(stream)
