@@ -331,6 +331,23 @@ def test_trace_mode_of_the_sweep_replays_every_step(recorded, other_weights, tmp
     assert run["metrics"]["experts_used"] == used
 
 
+def test_trace_replay_prefills_a_prompt_with_a_cached_prefix_whole(tiny_checkpoints, other_weights, tmp_path):
+    """Replayed prompts that share two KV blocks of prefix: the replay turns the prefix cache off, so
+    the second prompt prefills all its tokens, as the trace's step recorded them."""
+    _, model = tiny_checkpoints["qwen3_moe"]
+    shared = list(range(5, 5 + 40))
+    prompts = [shared + [60, 61], shared + [70, 71, 72]]
+    trace = record_trace(model, get_adapter("qwen3_moe"), prompts, 3, spec_distances=())
+    path = tmp_path / "shared.safetensors"
+    trace.save(path)
+    spec = BenchSpec(model=str(other_weights), device="cpu", policies=["lru"], gpu_memory=["40%"],
+                     trace=str(path), trace_warmup=1, out=str(tmp_path / "out"))  # fmt: skip
+    row = run_sweep(spec, progress=False)["runs"][0]
+    assert row["error"] is None, row["error"]
+    run = json.loads((tmp_path / "out" / "runs" / f"{row['name']}.json").read_text())
+    assert run["replay"]["steps_replayed"] == len(trace)
+
+
 def test_replay_onto_a_synthetic_shape_with_the_traces_geometry(recorded, tmp_path):
     trace, _ = recorded
     small = dict(

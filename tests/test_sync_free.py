@@ -54,3 +54,35 @@ def test_stall_syncs_in_every_layer_and_gives_the_same_tokens_as_zero_copy():
 def test_on_miss_lo_is_refused_where_no_lo_version_is_kept():
     with pytest.raises(moetide.errors.ConfigError, match="zero-copy or stall"):
         moetide.LLM(device="cpu", gpu_memory="128MiB", policy="on-demand", on_miss="lo")
+
+
+def test_a_step_whose_forward_fails_is_never_accounted_and_the_engine_goes_on():
+    """A forward that raises in its third MoE layer leaves that step's routing buffers partly
+    unwritten: the step is dropped from the accounting (which would otherwise read garbage expert
+    ids) and the next requests run and are accounted as usual."""
+    llm = moetide.LLM(device="cpu", gpu_memory="128MiB", policy="lru")
+    try:
+        engine, runtime = llm.engine, llm.loaded.runtime
+        layer = llm.loaded.model.model.layers[llm.loaded.moe_layers[2]]
+        prompt = llm.tokenizer.encode(PROMPTS[0])
+        # poison the buffers the failing step would have filled: without the drop they are read
+        runtime.observations.views(len(prompt))["buffer"].fill_(0xAB)
+
+        def fail(*_):
+            raise RuntimeError("injected router failure")
+
+        hook = layer.mlp.register_forward_pre_hook(fail)
+        engine.add_request(prompt, PARAMS)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+        hook.remove()
+        engine.fail_running("error")
+        runtime.flush_observations()
+        failed_steps = runtime.metrics.steps - runtime.metrics.steps_observed
+        out = llm.generate(PROMPTS, PARAMS)
+        m = llm.metrics
+    finally:
+        llm.close()
+    assert failed_steps == 1
+    assert all(len(o.token_ids) == 6 for o in out)
+    assert m.steps - m.steps_observed == 1 and sum(c.used for c in m.layers) > 0

@@ -13,6 +13,7 @@ import json
 import re
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -310,6 +311,8 @@ def _engine_config(spec: BenchSpec, plan: Plan, run: dict) -> EngineConfig:
         max_num_seqs=bs,
         max_model_len=max_len,
         kv_cache_tokens=bs * max_len,  # what this batch needs, reserved inside the budget
+        # a replayed prompt prefills whole: the trace's step has all its tokens, a cached prefix less
+        prefix_caching=spec.engine.prefix_caching and plan.trace is None,
     )
     return dataclasses.replace(base, gpu_memory_bytes=resolve_budget(run["gpu_memory"], base))
 
@@ -347,6 +350,7 @@ def execute(spec: BenchSpec, plan: Plan, run: dict) -> dict:
         raise
     except Exception as e:  # one failing configuration must not lose the sweep
         result["error"] = runs.one_line_error(e)
+        result["traceback"] = traceback.format_exc(limit=-12)  # the run file keeps where it failed
         runs.free_device()
     return result
 

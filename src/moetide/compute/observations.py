@@ -339,11 +339,12 @@ class StepObservations:
         start of a step, when the step before it has finished (its tokens were read)."""
         return self._ready(block_oldest=False)
 
-    def finish_step(self) -> None:
-        """Queue the running step's copy to a pinned slot (a step that recorded nothing is skipped)."""
+    def finish_step(self, discard: bool = False) -> None:
+        """Queue the running step's copy to a pinned slot (a step that recorded nothing is skipped,
+        and so is one whose forward failed: `discard`)."""
         step, tokens, real = self._step, self._step_tokens, self._step_real
         self._step = self._step_tokens = self._step_real = None
-        if step is not None and tokens is not None:
+        if step is not None and tokens is not None and not discard:
             self._queue_copy(step[0], tokens, real if real is not None else tokens, step[1])
 
     def flush(self) -> list[StepRecord]:

@@ -158,9 +158,10 @@ class ExpertRuntime:
                 opener(self.iteration, tokens, self.step_tags, real)
         self.metrics.step_host_s += time.perf_counter() - t0
 
-    def end_step(self) -> None:
+    def end_step(self, failed: bool = False) -> None:
         """After a forward has been issued: mark the end of its reads, queue its observations' copy
-        to the host, and show the policies the step(s) this step's start accounted."""
+        to the host, and show the policies the step(s) this step's start accounted. `failed`: the
+        forward raised part-way; its observations (partly unwritten buffers) are dropped."""
         if not self._in_step:
             return
         t0 = time.perf_counter()
@@ -168,7 +169,7 @@ class ExpertRuntime:
         if hasattr(self.residency, "end_step"):
             self.residency.end_step()
         if self.observations is not None:
-            self.observations.finish_step()
+            self.observations.finish_step(discard=failed)
         self._observe_taken()  # the policies' part runs while the device computes this step
         self.metrics.step_host_s += time.perf_counter() - t0
 

@@ -133,9 +133,12 @@ class ModelRunner:
             return forward(*args)
         self.runtime.begin_step(tokens, real_tokens=real_tokens)
         try:
-            return forward(*args)
-        finally:
-            self.runtime.end_step()
+            out = forward(*args)
+        except BaseException:
+            self.runtime.end_step(failed=True)  # its buffers were never written whole: nobody reads them
+            raise
+        self.runtime.end_step()
+        return out
 
     def flush(self) -> None:
         """Publish the observations of the steps still in flight (the engine has gone idle)."""
