@@ -167,6 +167,11 @@ class BlockAllocator:
                 self._free.append(block)
         table.clear()
 
+    def reset_counters(self) -> None:
+        """Zero the prefix-cache counters (after a warm-up: what `/metrics` counts starts with the
+        first client)."""
+        self.query_tokens = self.hit_tokens = self.evictions = 0
+
     def stats(self) -> dict[str, int]:
         """Counters for metrics: blocks used/total, prefix-cache tokens queried and hit."""
         return {

@@ -183,6 +183,7 @@ class LLMEngine:
             while self.has_unfinished():
                 self.step()
                 steps += 1
+        self.blocks.reset_counters()  # the warm-up's prompts are nobody's: the prefix counters start now
         if progress:
             captured = f", {graphs.captures} graphs" if graphs is not None else ""
             print(f"\r[moetide] warmed up: {len(batches)} shapes{captured}          ", file=sys.stderr,

@@ -505,17 +505,36 @@ class ResidencyManager:
             return []
         if any(tier_rank(other) < tier_rank(pool) for other in handle.versions):
             return []
-        layer, expert, pid = handle.layer, handle.expert, self.pool_ids[pool]
         # the host's table takes the new slot at once: no reader looks in this pool's row for the
         # expert before its pool word says so, and a whole-table write between the copy's two words
         # must not put the old slot back under a pool word that is about to point here
-        self._table_master[layer, 1 + pid, expert] = slot
+        self._table_master[handle.layer, 1 + self.pool_ids[pool], handle.expert] = slot
+        return self._entry_words_for(handle.layer, handle.expert, pool, slot)
+
+    def _entry_words_for(self, layer: int, expert: int, pool: str, slot: int) -> list:
+        """The two `(device word, pinned word)` writes that point `(layer, expert)`'s device entry at
+        `slot` of `pool`: the slot in the pool's row first, then the pool word (a reader sees the old
+        entry or the new one), from a ring of pinned words."""
+        pid = self.pool_ids[pool]
         i = self._entry_next
         self._entry_next = (i + 2) % self._entry_words.numel()
         words = self._entry_words[i : i + 2]
         words[0], words[1] = slot, pid
         row = self._table_device[layer]
         return [(row[1 + pid, expert : expert + 1], words[0:1]), (row[0, expert : expert + 1], words[1:2])]
+
+    def _republish(self, handle: ExpertHandle, pool: str) -> None:
+        """Within a step: point the device table at `handle`'s landed version in `pool` now (a parked
+        version predicted after all), slot word first, then the pool word, on the copy side's own
+        stream; the host's table says the same, so the next whole-table write keeps it."""
+        version = handle.versions[pool]
+        if not self._publish_if_ready(version) or any(tier_rank(o) < tier_rank(pool) for o in handle.versions):
+            return
+        layer, expert, pid = handle.layer, handle.expert, self.pool_ids[pool]
+        self._table_master[layer, 0, expert] = pid
+        self._table_master[layer, 1 + pid, expert] = version.slot
+        self.transfer.write_words(self._entry_words_for(layer, expert, pool, version.slot))
+        self.metrics.bump("unparked")
 
     def _publish_if_ready(self, version: DeviceVersion) -> bool:
         # deterministic: a copy becomes visible at the next step boundary, whenever it lands
@@ -549,8 +568,12 @@ class ResidencyManager:
         if pool in h.versions:
             if self._evicts(pool):  # a pool that holds every expert keeps no LRU order worth a touch
                 self._touch(h, pool)
-            # predicted after all: no in-step prefetch may take its slot (it is back in the next table)
-            self._parked[pool].pop((layer, expert), None)
+            # predicted after all: no in-step prefetch may take its slot; within a step its entry is
+            # back at once (the slot was never given away), else in the next table
+            if (layer, expert) in self._parked[pool]:
+                del self._parked[pool][(layer, expert)]
+                if in_step is not None:
+                    self._republish(h, pool)
             return False
         fill = (layer, expert) in self._fills  # caching a miss: not a prediction, never dropped for the link
         self._fills.discard((layer, expert))

@@ -30,6 +30,7 @@ class ExpertMetrics:
     prefetches_used: int = 0
     prefetches_late: int = 0  # a prefetched version still on its way when its layer read the table
     parked_misses: int = 0  # a resident version kept out of the step's table (the in-step reserve)
+    unparked: int = 0  # parked versions predicted within the step: their entries came back at once
     promotions: int = 0
     demotions: int = 0
     evictions: int = 0
@@ -96,6 +97,7 @@ class ExpertMetrics:
             "prefetches_used": self.prefetches_used,
             "prefetches_late": self.prefetches_late,
             "parked_misses": self.parked_misses,
+            "unparked": self.unparked,
             "promotions": self.promotions,
             "demotions": self.demotions,
             "evictions": self.evictions,

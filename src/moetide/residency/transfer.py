@@ -70,6 +70,13 @@ class CudaTransfer:
             event.record(stream)
         return event
 
+    def write_words(self, words) -> None:
+        """Each `(device word, pinned word)` of `words`, in order, on the demand stream (at once: it
+        waits behind no prefetch)."""
+        with torch.cuda.stream(self.demand_stream):
+            for word, value in words:
+                word.copy_(value, non_blocking=True)
+
     def compute_marker(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
@@ -121,6 +128,11 @@ class CpuTransfer:
             for word, value in then:
                 word.copy_(value)
             event.set()
+
+    def write_words(self, words) -> None:
+        """As `CudaTransfer.write_words`; here written at once."""
+        for word, value in words:
+            word.copy_(value)
 
     def compute_marker(self) -> DoneEvent:
         return DoneEvent()

@@ -44,8 +44,8 @@ def register_cli(subparsers) -> None:
         "--no-warm-up",
         dest="warm_up",
         action="store_false",
-        help="start serving without first decoding once at each CUDA-graph batch size (captures and"
-        " kernel compiles then fall on the first clients)",
+        help="start serving without first decoding once at each CUDA-graph batch size and prefilling"
+        " once at each fused-kernel tile bucket (captures and kernel compiles then fall on the first clients)",
     )
     p.add_argument(
         "--drain-timeout",
