@@ -3,7 +3,7 @@
 HBM roofline, and tune its tiles (`--tune`): writes the timings JSON and, with `--write-table`, the
 committed tile table `src/moetide/compute/fused_moe_configs.json`.
 
-    python scripts/tune_fused_moe.py --out out/fused.json [--variants v1,v2,v2i] [--tune --tune-seconds 60]
+    python scripts/tune_fused_moe.py --out out/fused.json [--variants v1,v2,v2i,v3] [--tune --tune-seconds 60]
         [--formats int4,int2,int2+int4,bfloat16] [--tokens 1,8,32,128] [--shape olmoe-1b-7b] [--write-table]
 
 `--variants`: the packed tile products of `fused_moe.PACKED_TILES`, each timed with the table's tiles
@@ -175,7 +175,7 @@ def main() -> int:
     ap.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
     ap.add_argument("--formats", default="int4,int2,int2+int4,bfloat16", help="PoolFormat names")
     ap.add_argument("--tokens", default="1,8,32,128")
-    ap.add_argument("--variants", default="v1,v2,v2i", help=f"tile products: {sorted(fm.PACKED_TILES)}")
+    ap.add_argument("--variants", default="v1,v2,v2i,v3", help=f"tile products: {sorted(fm.PACKED_TILES)}")
     ap.add_argument("--max-err", type=float, default=2e-2, help="relative error to v1 allowed (bf16)")
     ap.add_argument("--tune", action="store_true", help="sweep tiles per (variant, format, T)")
     ap.add_argument("--tune-seconds", type=float, default=60, help="all tuning together stops after this")

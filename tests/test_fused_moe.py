@@ -132,15 +132,18 @@ def test_fused_kernel_mixed_table(kernel, dtype, num_tokens):
     assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("packed_tile", ["v2", "v2i"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "packed_tile,dtype",
+    [(t, d) for t in ("v2", "v2i", "v3") for d in (torch.float32, torch.bfloat16)] + [("v3", torch.float16)],
+)
 @pytest.mark.parametrize("num_tokens", [1, 3, 33, 80])
 def test_fused_kernel_packed_tile_products(kernel, packed_tile, dtype, num_tokens):
     """The factored packed tile products equal the reference for int4, int2 and int2 gate_up + int4 down
     pools beside a dense one in one layer: GEMV tiles (T=1), 16-row blocks with a padded last block
     (T=3, 33) and 64-row blocks (T=80). H=128, I=64: int2's tiles take tl.dot in both projections
     (16 bytes of codes per K-tile), gate_up has two K-tiles per row, inside one group (int2) or one
-    group each (int4)."""
+    group each (int4). v3 converts the codes without int-to-float conversions (float16 exercises it
+    under the interpreter, bfloat16 on CUDA)."""
     hidden_size, inter = 128, 64
     pools = [
         make_pool(3, inter, hidden_size, "hi", dtype, seed=1),

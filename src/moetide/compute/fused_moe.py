@@ -21,7 +21,7 @@ Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed 
 Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
 tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
 gptq/awq kernel). A K-tile of a packed matrix lies inside one group, so each output column has one
-float16 scale s and offset o per tile. Three tile products, picked per (T bucket, format) by the
+float16 scale s and offset o per tile. Four tile products, picked per (T bucket, format) by the
 tile table (`KernelConfig.packed_tile`), or for every call by MOETIDE_PACKED_TILE, or per call
 (`fused_moe(packed_tile=...)`); measured against each other on the H200 (`scripts/tune_fused_moe.py
 --variants`, BENCHMARKS.md), v2 is the table's choice where it was faster (T = 128, int2 at T = 1)
@@ -35,7 +35,10 @@ and v1 elsewhere; v2i was never clearly faster and stays for comparison only:
        into its bit-field slices in registers (`_act_tile`, `_packed_product`).
   v2i  as v2, but the codes are put back into K order in registers and dotted once with the whole
        activation tile.
-v2 and v2i round no weight: their results differ from the reference (which rounds the dequantized
+  v3   as v2, but a code becomes a bf16 / fp16 operand without an int-to-float conversion (`_codes`:
+       its bits ORed into the mantissa of a power of two, which is then subtracted); not yet timed
+       against v2 on the H200, so no table entry picks it.
+v2, v2i and v3 round no weight: their results differ from the reference (which rounds the dequantized
 weights to the activation dtype before its matmul) by that rounding, ~2^-9 relative per weight for
 bf16 activations, none for float32. The GEMV tiles (BLOCK_M 1) follow the same switch, in float32.
 gate_up and down each carry their own format, so one expert version may hold int2 gate_up with int4
@@ -60,7 +63,7 @@ from .fused_moe_config import KernelConfig, config_for
 from ..residency.slot_table import MatrixFormat, Pool
 
 # The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix).
-PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3}
+PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4}
 PACKED_TILE = os.environ.get("MOETIDE_PACKED_TILE") or None  # set: every call's, for A/B runs
 if PACKED_TILE is not None and PACKED_TILE not in PACKED_TILES:
     raise ValueError(f"MOETIDE_PACKED_TILE must be one of {sorted(PACKED_TILES)}, got {PACKED_TILE!r}")
@@ -174,11 +177,11 @@ def _packed_product(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
+    PACKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """`_tile_product` of a packed W with the group's scale s and offset o factored out of the dot
-    (v2, v2i): a (BLOCK_M, BLOCK_K) and a_sum its row sums (`_act_tile`); inside the tile's group
+    (v2, v2i, v3): a (BLOCK_M, BLOCK_K) and a_sum its row sums (`_act_tile`); inside the tile's group
     w[k, n] = s[n] * c[k, n] + o[n], so a @ w = s * (a @ c) + o * sum(a).
 
     The raw codes c are converted straight to a's dtype (0..15 are exact in bf16 / fp16 / fp32;
@@ -195,31 +198,48 @@ def _packed_product(
     BYTES_K: tl.constexpr = BLOCK_K // PER_BYTE
     MASK: tl.constexpr = (1 << BITS) - 1
     BLOCK_N: tl.constexpr = offs_n.shape[0]
+    INTERLEAVE: tl.constexpr = PACKED == 3
+    MAGIC: tl.constexpr = PACKED == 4
     packed, scale, offset, _offs_b, _b_mask = _packed_tile(
         data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, K, BITS,
         GROUP, BLOCK_K)  # fmt: skip
     # the interpreter converts int32 to bf16 wrongly (triton 3.9: the integer's bits, as a denormal);
-    # there the codes go to float32, as its dots widen to float32 anyway (`_WIDEN_DOT`)
-    cdtype = a.dtype if BLOCK_M > 1 and not _WIDEN_DOT else tl.float32
+    # there the codes go to float32, as its dots widen to float32 anyway (`_WIDEN_DOT`), except v3's
+    # float16 (the interpreter's own bf16 arithmetic is wrong too, so v3's bf16 is checked on CUDA)
+    cdtype = a.dtype if BLOCK_M > 1 and (not _WIDEN_DOT or (MAGIC and a.dtype == tl.float16)) else tl.float32
     if INTERLEAVE:
         shifts = tl.arange(0, PER_BYTE) * BITS
         codes = (packed[:, None, :] >> shifts[None, :, None]) & MASK  # (BYTES_K, PER_BYTE, N): [j, f, n]
-        dot = _mm(a, tl.reshape(codes, (BLOCK_K, BLOCK_N)).to(cdtype), BLOCK_M, DOT_PRECISION)
+        dot = _mm(a, _codes(tl.reshape(codes, (BLOCK_K, BLOCK_N)), cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
     else:
         tl.static_assert(BITS == 4 or BITS == 2, "packed codes are int4 or int2")
         if BITS == 4:  # element 2j + f is [j, f]
             a0, a1 = tl.split(tl.reshape(a, (BLOCK_M, BYTES_K, 2)))
-            dot = _mm(a0, (packed & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
-            dot += _mm(a1, ((packed >> 4) & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
+            dot = _mm(a0, _codes(packed & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
+            dot += _mm(a1, _codes((packed >> 4) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
         else:  # element 4j + 2p + q is [j, p, q]: field f = 2p + q
             even, odd = tl.split(tl.reshape(a, (BLOCK_M, BYTES_K, 2, 2)))
             a0, a2 = tl.split(even)
             a1, a3 = tl.split(odd)
-            dot = _mm(a0, (packed & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
-            dot += _mm(a1, ((packed >> 2) & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
-            dot += _mm(a2, ((packed >> 4) & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
-            dot += _mm(a3, ((packed >> 6) & MASK).to(cdtype), BLOCK_M, DOT_PRECISION)
+            dot = _mm(a0, _codes(packed & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
+            dot += _mm(a1, _codes((packed >> 2) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
+            dot += _mm(a2, _codes((packed >> 4) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
+            dot += _mm(a3, _codes((packed >> 6) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
     return dot * scale[None, :] + a_sum * offset[None, :]
+
+
+@triton.jit
+def _codes(fields, cdtype: tl.constexpr, MAGIC: tl.constexpr):
+    """Unsigned codes (int32, 0..15) -> `cdtype`, exactly. MAGIC (v3), for bf16 / fp16: no int-to-float
+    conversion, whose throughput on sm_90 is a quarter of an integer op's: OR the code into the
+    mantissa of 128 (bf16: 0x4300 | c is 128 + c, its step there being 1; fp16: 0x6400 | c is
+    1024 + c), reinterpret the bits, subtract the constant (exact)."""
+    if MAGIC and cdtype == tl.bfloat16:
+        return ((fields | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0).to(tl.bfloat16)
+    elif MAGIC and cdtype == tl.float16:
+        return ((fields | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
+    else:
+        return fields.to(cdtype)
 
 
 # Triton's interpreter (CPU tests) computes tl.dot of bf16 operands wrongly (triton 3.9: errors of
@@ -298,14 +318,14 @@ def _gate_up_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
         for k0 in range(0, HIDDEN, BLOCK_K):
-            if BITS < 8 and PACKED > 1:  # v2 / v2i: one activation tile and its row sums for gate and up
+            if BITS < 8 and PACKED > 1:  # v2 / v2i / v3: one activation tile and its row sums for gate and up
                 a, a_sum = _act_tile(x_ptr, token, stride_x, m_mask, k0, HIDDEN, BLOCK_K)
                 acc_gate += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
                                             scale_off, offset_off, offs_n, n_mask, k0, HIDDEN, BITS, GROUP,
-                                            BLOCK_M, BLOCK_K, PACKED == 3, DOT_PRECISION)  # fmt: skip
+                                            BLOCK_M, BLOCK_K, PACKED, DOT_PRECISION)  # fmt: skip
                 acc_up += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
                                           scale_off, offset_off, offs_n + INTER, n_mask, k0, HIDDEN, BITS,
-                                          GROUP, BLOCK_M, BLOCK_K, PACKED == 3, DOT_PRECISION)  # fmt: skip
+                                          GROUP, BLOCK_M, BLOCK_K, PACKED, DOT_PRECISION)  # fmt: skip
             else:
                 acc_gate += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row,
                                           row_data, row_param, data_off, scale_off, offset_off, offs_n,
@@ -361,7 +381,7 @@ def _down_kernel(
                 a, a_sum = _act_tile(h_ptr, offs_m, INTER, m_mask, k0, INTER, BLOCK_K)
                 acc += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
                                        scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP, BLOCK_M,
-                                       BLOCK_K, PACKED == 3, DOT_PRECISION)  # fmt: skip
+                                       BLOCK_K, PACKED, DOT_PRECISION)  # fmt: skip
             else:
                 acc += _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data,
                                      row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER,
