@@ -168,6 +168,30 @@ def still_serves(live: LiveServer) -> None:
     assert out.usage.completion_tokens == 2
 
 
+def test_the_step_log_records_each_engine_iteration(qwen3_checkpoint, tmp_path, monkeypatch):
+    """MOETIDE_STEP_LOG: a JSON line per engine-thread iteration, with the step's shape; a path that
+    cannot be written is refused at start with a one-line error."""
+    from moetide.errors import ConfigError
+    from moetide.serve.async_engine import STEP_LOG_ENV
+
+    log_path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(STEP_LOG_ENV, str(log_path))
+    live = start_server(qwen3_checkpoint, max_num_seqs=2, max_queue=4)
+    try:
+        out = live.client().completions.create(model=MODEL, prompt="one two three", **greedy(3))
+        assert out.usage.completion_tokens == 3
+        monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "missing" / "steps.jsonl"))
+        with pytest.raises(ConfigError, match="cannot write the step log"):
+            AsyncEngine(live.engine.engine)
+    finally:
+        live.close()
+    lines = [json.loads(x) for x in log_path.read_text().splitlines()]
+    stepped = [x for x in lines if "decode" in x]
+    assert stepped and all(x["step_s"] >= 0 and x["deliver_s"] >= 0 for x in lines)
+    assert stepped[0]["prefill"] > 0 and sum(x["decode"] for x in stepped) == 2  # 1 token from prefill
+    assert sum(x["added"] for x in lines) == 1
+
+
 # -- the API with the official client ----------------------------------------------------------------------
 def test_models_and_health(server):
     models = server.client().models.list()

@@ -146,9 +146,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._last_expert_refresh_s = 0.0
         self._thread: threading.Thread | None = None
-        step_log = os.environ.get(STEP_LOG_ENV)
-        # lives as long as the engine thread, line-buffered
-        self._step_log = open(step_log, "a", buffering=1) if step_log else None  # noqa: SIM115
+        self._step_log = _open_step_log(os.environ.get(STEP_LOG_ENV))
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -433,6 +431,17 @@ class AsyncEngine:
             self.metrics.expert_snapshot = snapshot
         except Exception:  # metrics must never take the engine down
             log.exception("could not read the expert metrics")
+
+
+def _open_step_log(path: str | None):
+    """The step log named by MOETIDE_STEP_LOG, appended to and line-buffered (it lives as long as the
+    engine thread), or None."""
+    if not path:
+        return None
+    try:
+        return open(path, "a", buffering=1)  # noqa: SIM115
+    except OSError as e:
+        raise ConfigError(f"{STEP_LOG_ENV}={path}: cannot write the step log there ({e.strerror})") from None
 
 
 def _failed_sequence(stream: RequestStream) -> Sequence:
