@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_residency import EXPERTS, LAYERS, STORE, make_manager
 
-from moetide.residency.slot_table import UNUSED
+from moetide.compute.expert_compute import wait_for_landing
+from moetide.residency.slot_table import UNUSED, WAITED
 from moetide.residency.transfer import CpuTransfer, ThreadEvent
 from moetide.store import quant
 
@@ -62,12 +63,13 @@ class DeviceTableMachine(RuleBasedStateMachine):
     @rule(
         mode=st.sampled_from(["hi-cache", "lo+hi"]),
         hi_slots=st.integers(2, 6),
+        wait=st.booleans(),
     )
     @precondition(lambda self: self.manager is None)
-    def start(self, mode, hi_slots):
+    def start(self, mode, hi_slots, wait):
         on_miss = "zero-copy" if mode == "hi-cache" else "lo"
         lo_slots = LAYERS * EXPERTS if mode == "lo+hi" else 0
-        manager = make_manager(mode, hi_slots, lo_slots, on_miss=on_miss, bandwidth=5e7)
+        manager = make_manager(mode, hi_slots, lo_slots, on_miss=on_miss, bandwidth=5e7, wait_for_copies=wait)
         manager.transfer.close()
         manager.transfer = LaggingTransfer(bandwidth_bytes_per_s=5e7, poison=True)
         manager.in_step_fed = True  # a layer feed drives it: begin_step parks a reserve
@@ -141,14 +143,19 @@ class DeviceTableMachine(RuleBasedStateMachine):
         return self.manager._table_device.clone().numpy() if iteration == self.iteration else table
 
     def _read(self, table, layers):
-        """Read every expert of `layers` through `table` and check the weights."""
+        """Read every expert of `layers` through `table` and check the weights; an entry that names a
+        copy in flight (wait_for_copies) is read once the slot's landed word says it landed, as the
+        kernel's programs wait for it (a copy that never lands fails the wait)."""
         pools = self.manager.kernel_pools(torch.float32)
         names = {v: k for k, v in self.manager.pool_ids.items()}
+        wait_row = self.manager._wait_row
         for layer in layers:
             for expert in range(EXPERTS):
                 pool_id = int(table[layer, 0, expert])
                 slot = int(table[layer, 1 + pool_id, expert])
                 assert pool_id >= 0, "an expert the table sends nowhere"
+                if int(table[layer, wait_row, expert]):
+                    wait_for_landing(self.manager._landed, slot, int(table[layer, wait_row, expert]))
                 gate_up, _ = pools[pool_id].weights(slot, torch.float32)
                 assert torch.isfinite(gate_up).all(), "read a poisoned (partially written) slot"
                 name = names[pool_id]
@@ -205,10 +212,39 @@ def test_a_parked_version_predicted_within_the_step_is_back_in_the_table_at_once
         m.prefetch(layer, [expert], iteration=2)
         m.in_step(2, -1)
         slot = m.handles[layer][expert].versions["hi"].slot
-        assert (int(m._table_device[layer, 0, expert]), int(m._table_device[layer, 1 + hi, expert])) == (hi, slot)
+        entry = (int(m._table_device[layer, 0, expert]), int(m._table_device[layer, 1 + hi, expert]))
+        assert entry == (hi, slot)
         assert m.metrics.unparked == 1 and (layer, expert) not in m._parked["hi"]
         gate_up, _ = m.kernel_pools(torch.float32)[hi].weights(slot, torch.float32)
         assert torch.equal(gate_up, expected_weights(layer, expert, "hi"))
         m.end_step()
+    finally:
+        m.close()
+
+
+def test_a_copy_started_within_the_step_is_waited_for_by_its_layer():
+    """wait_for_copies: an in-step prefetch for a later layer points that layer's entry at the copy at
+    once, with the copy's number; the layer's read waits for the landed word and finds the expert's
+    weights, not the poisoned slot; the step's record counts it as a hit on a copy in flight."""
+    m = make_manager("hi-cache", 4, 0, on_miss="zero-copy", bandwidth=2e6, wait_for_copies=True)
+    try:
+        m.in_step_fed = True
+        m.begin_step(1)
+        hi = m.pool_ids["hi"]
+        m.prefetch(2, [5], iteration=1)
+        assert m.in_step(1, 0) == 1
+        version = m.handles[2][5].versions["hi"]
+        table = m._table_device
+        assert (int(table[2, 0, 5]), int(table[2, 1 + hi, 5]), int(table[2, m._wait_row, 5])) == (
+            hi, version.slot, version.gen)  # fmt: skip
+        assert not version.ready.query()  # 2 MB/s: still in flight
+        wait_for_landing(m._landed, version.slot, version.gen)
+        gate_up, _ = m.kernel_pools(torch.float32)[hi].weights(version.slot, torch.float32)
+        assert torch.equal(gate_up, expected_weights(2, 5, "hi"))
+        m.end_step()
+        ran = np.full((LAYERS, EXPERTS), UNUSED, dtype=np.int32)
+        ran[2, 5] = hi + WAITED
+        m.observe_step(ran, 1)
+        assert m.metrics.hits_in_flight == 1 and m.metrics.layers[2].hits == 1
     finally:
         m.close()

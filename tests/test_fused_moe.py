@@ -267,3 +267,46 @@ def test_fused_kernel_engine_greedy_equals_the_reference_path(kernel, policy, mo
     (ref_logits, ref_tokens, _), (logits, tokens, _) = got["dequant"], got["triton"]
     assert (logits - ref_logits).norm() / ref_logits.norm() < 1e-4
     assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("num_tokens", [1, 33])
+def test_fused_kernel_waits_for_a_copy_in_flight(kernel, num_tokens):
+    """`waits`: an expert whose wait word names a copy is read only once the slot's landed word says
+    it landed. On CUDA the copy of one slot's row is held back on a side stream (a sleep, then the
+    copy, then the landed word) while the kernel is launched at once on the compute stream: its
+    programs spin and then read the weights, equal to the reference. Under the interpreter the copy
+    has landed before the launch (the wait passes through)."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    hidden_size, inter = 64, 32
+    pool = make_pool(4, inter, hidden_size, "hi", dtype, seed=5)
+    pool_of, slot_of = table(E, [4], seed=3)
+    pool_of.fill_(0)
+    slot_of.copy_(torch.arange(E, dtype=torch.int32, device=slot_of.device) % 4)
+    ids, weights = routing(num_tokens, E, TOP_K, dtype, seed=num_tokens)
+    hidden = torch.randn(num_tokens, hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    hidden = hidden.to(kernel_device())
+    want = reference_moe(hidden, ids, weights, pool_of, slot_of, [pool], F.silu)
+    expert = int(ids[0, 0])
+    row = int(slot_of[expert])
+    wait_of = torch.zeros(E, dtype=torch.int32, device=pool_of.device)
+    wait_of[pool_of == 0] = 0
+    wait_of[slot_of == row] = 7  # every expert in that row waits for copy 7
+    landed = torch.zeros(4, dtype=torch.int32, device=pool_of.device)
+    saved = pool.arena[row].clone()
+    if CUDA:
+        pool.arena[row].fill_(0xFF)  # poison: NaN weights if read before the copy
+        side = torch.cuda.Stream()
+        source = saved.cpu().pin_memory()
+        word = torch.tensor([7], dtype=torch.int32).pin_memory()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # ~25 ms: the kernel is launched long before the copy
+            pool.arena[row].copy_(source, non_blocking=True)
+            landed[row : row + 1].copy_(word, non_blocking=True)
+        out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, [pool], waits=(wait_of, landed, 0))
+        torch.cuda.synchronize()
+    else:
+        landed[row] = 7
+        out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, [pool], waits=(wait_of, landed, 0))
+    assert torch.equal(pool.arena[row], saved)
+    assert_close(out, want, dtype)

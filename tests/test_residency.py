@@ -47,7 +47,12 @@ STORE = make_store()
 
 
 def make_manager(
-    mode: str, hi_slots: int, lo_slots: int, on_miss: str = "stall", bandwidth: float | None = 2e8
+    mode: str,
+    hi_slots: int,
+    lo_slots: int,
+    on_miss: str = "stall",
+    bandwidth: float | None = 2e8,
+    wait_for_copies: bool = False,
 ):
     hi_bytes, lo_bytes = STORE.bytes_per_expert("hi"), STORE.bytes_per_expert("int4")
     fixed = FixedCosts(1000, 0, 0, 0)
@@ -71,7 +76,7 @@ def make_manager(
         tracker,
         transfer,
         torch.device("cpu"),
-        ResidencyOptions(mode=mode, lo_precision="int4", on_miss=on_miss),
+        ResidencyOptions(mode=mode, lo_precision="int4", on_miss=on_miss, wait_for_copies=wait_for_copies),
     )
     if mode in ("lo+hi", "all-lo"):
         manager.preload("lo")

@@ -86,3 +86,22 @@ def test_a_step_whose_forward_fails_is_never_accounted_and_the_engine_goes_on():
     assert failed_steps == 1
     assert all(len(o.token_ids) == 6 for o in out)
     assert m.steps - m.steps_observed == 1 and sum(c.used for c in m.layers) > 0
+
+
+def test_waiting_for_copies_in_flight_keeps_the_tokens_and_the_sync_free_step():
+    """--wait-for-copies with copies slow enough to be in flight when their layer runs (200 MB/s):
+    those layers wait for the copy on the "device" instead of reading host memory; the tokens are
+    the zero-copy run's (the same hi weights), no host sync, and the waited copies count as hits."""
+    params = moetide.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    runs = {}
+    for wait in (False, True):
+        llm = moetide.LLM(device="cpu", gpu_memory="128MiB", policy="lru", wait_for_copies=wait,
+                          extra={"cpu_bandwidth_bytes_per_s": 2e8})  # fmt: skip
+        try:
+            runs[wait] = ([o.token_ids for o in llm.generate(PROMPTS, params)], llm.metrics)
+        finally:
+            llm.close()
+    (plain, m0), (waited, m1) = runs[False], runs[True]
+    assert waited == plain
+    assert m1.host_syncs == 0 and m1.hits_in_flight > 0 and m0.hits_in_flight == 0
+    assert m1.hit_rate > m0.hit_rate

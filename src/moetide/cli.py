@@ -160,6 +160,12 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         " boundaries, searches inline, DynaExq updates by step count): identical runs, identical tokens",
     )
     p.add_argument(
+        "--wait-for-copies",
+        action="store_true",
+        help="a layer whose expert is still being copied in waits for the copy on the device (a late"
+        " prefetch becomes a hit with a stall) instead of reading it from host memory or running lo",
+    )
+    p.add_argument(
         "--compile",
         default="off",
         choices=COMPILE_MODES,
@@ -214,6 +220,7 @@ def precision_options_from_args(args) -> dict:
         "cuda_graphs": args.cuda_graphs,
         "compile": args.compile,
         "deterministic": args.deterministic,
+        "wait_for_copies": args.wait_for_copies,
         "searcher": args.searcher,
     }
 

@@ -134,6 +134,11 @@ class EngineConfig:
             FineMoE's searches run inline on the forward thread, and DynaExq updates every
             `DETERMINISTIC_UPDATE_STEPS` steps instead of every T_u seconds. Two identical runs then
             give identical greedy tokens for every policy. Costs the overlap of copies with compute.
+        wait_for_copies: a layer that routes to an expert whose hi version is still being copied (a
+            prefetch that has not landed) waits for that copy on the device (the MoE kernel spins on
+            the slot's landed word, which the copy stream writes after the data) instead of running
+            it from host memory or lo: a late prefetch becomes a hit with a stall. No host sync.
+            Off by default (not yet measured on a GPU).
         searcher: where FineMoE's map searcher runs (finemoe, combined): "process" (the default: its
             own process, fed through shared memory; the forward thread only copies observations
             in and decisions out) or "thread" (a thread of the engine's process, which shares the
@@ -164,6 +169,7 @@ class EngineConfig:
     prefix_caching: bool = True
     compile: str = "off"
     deterministic: bool = False
+    wait_for_copies: bool = False
     searcher: str = "process"
     extra: dict = field(default_factory=dict)
 

@@ -260,17 +260,30 @@ def _mm(a, b, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
         return tl.dot(a, b, input_precision=DOT_PRECISION, out_dtype=tl.float32)
 
 
+WAIT_SPINS = tl.constexpr(1 << 22)  # reads of a landed word a program waits at most (~1 s), then goes on
+
+
 @triton.jit
 def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
-                BLOCK_M: tl.constexpr):  # fmt: skip
+                wait_ptr, landed_ptr, BLOCK_M: tl.constexpr, WAIT: tl.constexpr):  # fmt: skip
     """This program's block: (runs here?, pool row, sorted positions (BLOCK_M,), pairs, pair mask).
-    The row is read from this pool's row of the slot table (`slot_stride` = E, or 0 for one row)."""
+    The row is read from this pool's row of the slot table (`slot_stride` = E, or 0 for one row).
+    WAIT >= 0, the pool the landed words are for: in that pool, the expert's `wait_ptr` word, when
+    not 0, is the number of a copy into its row still in flight when the table sent the layer there:
+    spin on the row's landed word (volatile: the copy stream writes it after the data) until it says
+    so, at most WAIT_SPINS reads."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     safe = tl.maximum(expert, 0)
     pool = tl.load(pool_of_ptr + safe)
     runs = (expert >= 0) & (pool == POOL_ID)
     row = tl.load(slot_of_ptr + POOL_ID * slot_stride + safe).to(tl.int64)
+    if WAIT >= 0:
+        want = tl.load(wait_ptr + safe)
+        if runs and POOL_ID == WAIT and want != 0:
+            spins = 0
+            while (tl.load(landed_ptr + row, volatile=True) != want) & (spins < WAIT_SPINS):
+                spins += 1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pair_ptr + offs_m)
     return runs, row, offs_m.to(tl.int64), pair.to(tl.int64), pair < num_pairs
@@ -288,6 +301,8 @@ def _gate_up_kernel(
     slot_stride,
     num_pairs,
     POOL_ID,
+    wait_ptr,
+    landed_ptr,
     data_ptr,
     param_ptr,
     row_data,
@@ -304,11 +319,13 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PACKED: tl.constexpr,
+    WAIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """h[sorted position] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T)."""
     runs, row, offs_m, pair, m_mask = _block_rows(
-        block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
+        block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
+        wait_ptr, landed_ptr, BLOCK_M, WAIT
     )
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -351,6 +368,8 @@ def _down_kernel(
     slot_stride,
     num_pairs,
     POOL_ID,
+    wait_ptr,
+    landed_ptr,
     data_ptr,
     param_ptr,
     row_data,
@@ -366,11 +385,13 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PACKED: tl.constexpr,
+    WAIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """y[pair] (BLOCK_N columns) = routing[pair] * (h[sorted position] @ Wd^T), float32."""
     runs, row, offs_m, pair, m_mask = _block_rows(
-        block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID, BLOCK_M
+        block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
+        wait_ptr, landed_ptr, BLOCK_M, WAIT
     )
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -469,12 +490,15 @@ def fused_moe(
     pools: list[Pool],
     config: KernelConfig | None = None,
     packed_tile: str | None = None,
+    waits: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Routed experts of one layer from the pools' rows through the slot table: `(T, H)`.
 
     `pools[i]` is pool id i (None: a pool without slots). Experts whose `pool_of` is -1 contribute
     nothing. No host sync. `packed_tile`: the packed tile product (`PACKED_TILES`); None = the one
-    MOETIDE_PACKED_TILE names, else the tile table's (`KernelConfig.packed_tile`).
+    MOETIDE_PACKED_TILE names, else the tile table's (`KernelConfig.packed_tile`). `waits`
+    (`wait_of` (E,), `landed` (slots,) int32, pool id): an expert in that pool whose `wait_of` is not
+    0 is read once `landed[slot] == wait_of` (a copy in flight; `ResidencyManager.step_waits`).
     """
     if packed_tile is not None and packed_tile not in PACKED_TILES:
         raise ValueError(f"packed_tile must be one of {sorted(PACKED_TILES)}, got {packed_tile!r}")
@@ -509,6 +533,9 @@ def fused_moe(
         INTER=inter,
         BLOCK_M=config.block_m,
         DOT_PRECISION=dot_precision,
+        wait_ptr=waits[0] if waits is not None else pool_of,  # (unread when WAIT is -1)
+        landed_ptr=waits[1] if waits is not None else pool_of,
+        WAIT=waits[2] if waits is not None else -1,
     )
     for pool_id, pool in enumerate(pools):
         if pool is None:  # a pool without slots (no expert can point there)

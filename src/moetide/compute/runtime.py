@@ -36,7 +36,7 @@ from ..config import LO_KERNELS
 from ..errors import ConfigError
 from .expert_compute import ActFn, reference_moe
 from .observations import StepObservations, StepRecord
-from ..residency.slot_table import NOT_RESIDENT
+from ..residency.slot_table import NOT_RESIDENT, WAITED
 
 
 def check_lo_kernel(kind: str, device: torch.device) -> None:
@@ -208,9 +208,14 @@ class ExpertRuntime:
         """Routed experts of one MoE layer: `hidden (T, H)` -> `(T, H)`."""
         accounts = self.accounts()
         table = self.residency.step_table(layer)
+        step_waits = getattr(self.residency, "step_waits", None)
+        waits = step_waits(layer) if table is not None and step_waits is not None else None
         if self.observations is not None and accounts:  # device copies, read one step later
             self.observations.record_ids(layer, top_k_index)
-            self.observations.record_pools(layer, table[0], top_k_index)
+            ran = table[0]
+            if waits is not None:  # a hi entry naming a copy in flight: recorded as such (still a hit)
+                ran = ran + WAITED * ((waits[0] != 0) & (ran == waits[2])).to(torch.int32)
+            self.observations.record_pools(layer, ran, top_k_index)
             self.observations.publish_layer(layer)  # the layer feed's copy (where a policy decides in-step)
             # (where the residency accounts nothing, an attached policy's router hook records the ids)
         if table is not None:  # the device table: no host sync at all
@@ -218,7 +223,7 @@ class ExpertRuntime:
                 used = int(torch.unique(top_k_index[: self.real_tokens]).numel())  # not the pad rows
                 self.metrics.layers[layer].used += used
                 self.metrics.layers[layer].hits += used
-            return self._compute(hidden, top_k_index, top_k_weights, *table)
+            return self._compute(hidden, top_k_index, top_k_weights, *table, waits=waits)
         ids_cpu = top_k_index.cpu()  # NOTE: host sync (counted): --on-miss stall resolves on the host
         self.metrics.host_syncs += 1
         out = None
@@ -233,11 +238,13 @@ class ExpertRuntime:
             out = part if out is None else out + part
         return out
 
-    def _compute(self, hidden, top_k_index, top_k_weights, pool_of, slot_of) -> torch.Tensor:
+    def _compute(self, hidden, top_k_index, top_k_weights, pool_of, slot_of, waits=None) -> torch.Tensor:
         pools = self.residency.kernel_pools(hidden.dtype)
         if self.fused is not None:
-            return self.fused.fused_moe(hidden, top_k_index, top_k_weights, pool_of, slot_of, pools)
-        return reference_moe(hidden, top_k_index, top_k_weights, pool_of, slot_of, pools, self.act_fn)
+            return self.fused.fused_moe(hidden, top_k_index, top_k_weights, pool_of, slot_of, pools,
+                                        waits=waits)  # fmt: skip
+        return reference_moe(hidden, top_k_index, top_k_weights, pool_of, slot_of, pools, self.act_fn,
+                             waits=waits)  # fmt: skip
 
     def _step_table(self, resolved: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """`(pool_of, slot_of)` (E,) int32 on `device` for this step's resolved versions (expert ->

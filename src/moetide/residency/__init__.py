@@ -187,6 +187,7 @@ def build_residency(
         hi_precision=hi_precision,
         mid_precisions=mids,
         deterministic=config.deterministic,
+        wait_for_copies=config.wait_for_copies,
     )
     manager = ResidencyManager(store, metrics, plan, tracker, transfer, device, options)
     preload = {"all-hi": "hi", "all-lo": "lo", "lo+hi": "lo"}.get(mode)

@@ -42,7 +42,7 @@ from .budget import BudgetTracker, MemoryPlan
 from .handles import DeviceVersion, ExpertHandle
 from .metrics import ExpertMetrics
 from .pool import SlotPool
-from .slot_table import NOT_RESIDENT, UNUSED
+from .slot_table import NOT_RESIDENT, UNUSED, WAITED
 from .transfer import PRIORITY_DEMAND, PRIORITY_MIGRATION, PRIORITY_PREFETCH
 
 
@@ -84,6 +84,9 @@ class ResidencyOptions:
     eviction: str = "lru"
     # publish copies only at step boundaries, after waiting for them (EngineConfig.deterministic)
     deterministic: bool = False
+    # the table sends a layer to a hi copy still in flight, whose landing the kernel waits for
+    # (EngineConfig.wait_for_copies)
+    wait_for_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.on_miss not in ON_MISS_RULES:
@@ -154,8 +157,10 @@ class ResidencyManager:
         L, E = store.num_layers, store.num_experts
         # the device table (step-table mode): what each step's layers read, written between steps
         self.table_mode = options.on_miss != "stall" or options.mode in ("all-hi", "all-lo")
-        # per layer: row 0 the pool id of each expert, row 1 + p its slot in pool p (slot_table.py)
-        shape = (L, 1 + len(self.pool_ids), E)
+        # per layer: row 0 the pool id of each expert, row 1 + p its slot in pool p (slot_table.py),
+        # the last row the number of the copy its layer must see landed first (0: none; wait_for_copies)
+        self._wait_row = 1 + len(self.pool_ids)
+        shape = (L, 2 + len(self.pool_ids), E)
         self._table_master = np.full(shape, NOT_RESIDENT, dtype=np.int32)
         self._table_master[:, 1:] = 0
         self._table_device = torch.from_numpy(self._table_master.copy()).to(device)
@@ -164,6 +169,10 @@ class ResidencyManager:
         # pinned words the copy stream writes into the device table after a copy (mid-step publishing)
         self._entry_words = torch.zeros(1 << 16, dtype=torch.int32, pin_memory=pin)
         self._entry_next = 0
+        # per hi slot, the number of the last copy that landed there (written by the copy stream)
+        self.waits = options.wait_for_copies and self.table_mode and not options.deterministic
+        self._landed = torch.zeros(max(1, self.pools["hi"].num_slots), dtype=torch.int32, device=device)
+        self._copy_number = 0
         self._table_events: list = [None, None]
         self._table_turn = 0
         self._watch: set[tuple[int, int]] = set()  # handles whose entry may have changed
@@ -479,7 +488,11 @@ class ResidencyManager:
         precision = self.precision_of(pool)
         src = self.store.buffer(handle.layer, handle.expert, precision)
         dst = self.pools[pool].buffer(slot)[: src.numel()]
-        event = self.transfer.copy(dst, src, priority, then=self._publishing_words(handle, pool, slot))
+        then, number = self._publishing_words(handle, pool, slot), 0
+        if self.waits and pool == "hi" and self._static_table is None:
+            self._copy_number = number = self._copy_number % (2**31 - 1) + 1
+            then = [(self._landed[slot : slot + 1], self._pinned_word(number))] + then  # right after the data
+        event = self.transfer.copy(dst, src, priority, then=then)
         self.metrics.add_copy(src.numel())
         if precision == "hi":
             views, meta = hi_views(dst, self.store.shape), None
@@ -488,7 +501,7 @@ class ResidencyManager:
 
             meta = self.store.meta[precision]
             views = quant.expert_views(dst, meta)
-        version = DeviceVersion(pool, precision, slot, event, views, meta, last_use=self._tick)
+        version = DeviceVersion(pool, precision, slot, event, views, meta, last_use=self._tick, gen=number)
         handle.versions[pool] = version
         self._lru[pool][(handle.layer, handle.expert)] = None
         self._watch.add((handle.layer, handle.expert))
@@ -511,17 +524,38 @@ class ResidencyManager:
         self._table_master[handle.layer, 1 + self.pool_ids[pool], handle.expert] = slot
         return self._entry_words_for(handle.layer, handle.expert, pool, slot)
 
+    def _pinned_word(self, value: int) -> torch.Tensor:
+        """A pinned int32 word holding `value`, from the ring the copy side writes device words from."""
+        i = self._entry_next
+        self._entry_next = (i + 1) % self._entry_words.numel()
+        word = self._entry_words[i : i + 1]
+        word[0] = value
+        return word
+
+    def _waiting_entry(self, handle: ExpertHandle, version: DeviceVersion) -> None:
+        """Within a step (wait_for_copies): send `handle`'s later layer to its hi copy that has just
+        started, now: slot word, the copy's number, then the pool word, on the demand stream; the
+        layer waits on the device for the copy's landed word."""
+        layer, expert, pid = handle.layer, handle.expert, self.pool_ids["hi"]
+        if any(v.published for v in handle.versions.values()):
+            return  # it has a version to run already
+        self._table_master[layer, 0, expert] = pid
+        self._table_master[layer, 1 + pid, expert] = version.slot
+        self._table_master[layer, self._wait_row, expert] = version.gen
+        row = self._table_device[layer]
+        words = [(row[1 + pid, expert : expert + 1], self._pinned_word(version.slot)),
+                 (row[self._wait_row, expert : expert + 1], self._pinned_word(version.gen)),
+                 (row[0, expert : expert + 1], self._pinned_word(pid))]  # fmt: skip
+        self.transfer.write_words(words)
+
     def _entry_words_for(self, layer: int, expert: int, pool: str, slot: int) -> list:
         """The two `(device word, pinned word)` writes that point `(layer, expert)`'s device entry at
         `slot` of `pool`: the slot in the pool's row first, then the pool word (a reader sees the old
         entry or the new one), from a ring of pinned words."""
         pid = self.pool_ids[pool]
-        i = self._entry_next
-        self._entry_next = (i + 2) % self._entry_words.numel()
-        words = self._entry_words[i : i + 2]
-        words[0], words[1] = slot, pid
         row = self._table_device[layer]
-        return [(row[1 + pid, expert : expert + 1], words[0:1]), (row[0, expert : expert + 1], words[1:2])]
+        return [(row[1 + pid, expert : expert + 1], self._pinned_word(slot)),
+                (row[0, expert : expert + 1], self._pinned_word(pid))]  # fmt: skip
 
     def _republish(self, handle: ExpertHandle, pool: str) -> None:
         """Within a step: point the device table at `handle`'s landed version in `pool` now (a parked
@@ -592,6 +626,8 @@ class ResidencyManager:
         version.prefetched = True
         version.issued_at = self.iteration
         self._inflight.append(version)
+        if in_step is not None and version.gen:
+            self._waiting_entry(h, version)
         return True
 
     def _prefetch_link_full(self) -> bool:
@@ -863,18 +899,32 @@ class ResidencyManager:
             return self.static_table(layer)
         if not self.table_mode:
             return None
-        return self._table_device[layer, 0], self._table_device[layer, 1:]
+        return self._table_device[layer, 0], self._table_device[layer, 1 : self._wait_row]
 
-    def _entry(self, h: ExpertHandle) -> tuple[int, int]:
-        """Where the table sends expert `h`: its hottest published version (hi, a middle tier's, lo),
-        else (zero-copy) its hi version in host memory, else nowhere."""
+    def step_waits(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """`(wait_of (E,), landed (hi slots,), the hi pool's id)`, int32 device views (wait_for_copies):
+        an expert the table sends to the hi pool is read once `landed[slot] == wait_of[e]` when
+        `wait_of[e]` is not 0 (the wait word means nothing for another pool: a reader may see it
+        before the pool word that goes with it); else None."""
+        if not self.waits or self._static_table is not None:
+            return None
+        return self._table_device[layer, self._wait_row], self._landed, self.pool_ids["hi"]
+
+    def _entry(self, h: ExpertHandle) -> tuple[int, int, int]:
+        """Where the table sends expert `h`, `(pool id, slot, copy to wait for)`: its hottest published
+        version (hi, a middle tier's, lo); else (wait_for_copies) its hi version still being copied,
+        whose landing the layer waits for; else (zero-copy) its hi version in host memory; else
+        nowhere."""
         for pool in self.tiers:
             v = h.versions.get(pool)
             if v is not None and (h.layer, h.expert) not in self._parked[pool] and self._publish_if_ready(v):
-                return self.pool_ids[pool], v.slot
+                return self.pool_ids[pool], v.slot, 0
+        v = h.versions.get("hi")
+        if v is not None and v.gen and not v.published and (h.layer, h.expert) not in self._parked["hi"]:
+            return self.pool_ids["hi"], v.slot, v.gen  # its copy is on the way: the layer waits for it
         if self.options.on_miss == "zero-copy":
-            return self.pool_ids["host"], self.store.row(h.layer, h.expert)
-        return NOT_RESIDENT, 0
+            return self.pool_ids["host"], self.store.row(h.layer, h.expert), 0
+        return NOT_RESIDENT, 0, 0
 
     def _write_table(self) -> None:
         """Recompute the watched entries, then one copy of the table to the device (from a pinned
@@ -884,8 +934,9 @@ class ResidencyManager:
         settled = []
         for layer, expert in self._watch:
             h = self.handles[layer][expert]
-            pool, slot = self._entry(h)
+            pool, slot, wait = self._entry(h)
             self._table_master[layer, 0, expert] = pool
+            self._table_master[layer, self._wait_row, expert] = wait
             if pool >= 0:
                 self._table_master[layer, 1 + pool, expert] = slot
             if all(v.published for v in h.versions.values()):
@@ -914,6 +965,10 @@ class ResidencyManager:
         is a hit (the wanted version), a lo run (lo, or a ladder's middle tier, in place of hi) or a
         miss (read from host memory); used versions are touched for LRU and counted for prob-freq
         eviction, and a miss asks for its expert to be cached for the next steps."""
+        waited = ran >= WAITED  # sent to a copy in flight (wait_for_copies): it ran from that pool
+        if waited.any():
+            ran = np.where(waited, ran - WAITED, ran)
+            self.metrics.bump("hits_in_flight", int(waited.sum()))
         used = ran != UNUSED
         hi_id, lo_id, host_id = self.pool_ids["hi"], self.pool_ids["lo"], self.pool_ids["host"]
         wanted = lo_id if self.options.mode == "all-lo" else hi_id

@@ -53,6 +53,7 @@ class DeviceVersion:
     prefetched: bool = False  # brought in by a prefetch, not yet used
     issued_at: int = -1  # the iteration its copy was started in
     uses: int = 0
+    gen: int = 0  # its copy's number, written to the slot's landed word after the data (wait_for_copies)
 
 
 @dataclass

@@ -31,6 +31,7 @@ class ExpertMetrics:
     prefetches_late: int = 0  # a prefetched version still on its way when its layer read the table
     parked_misses: int = 0  # a resident version kept out of the step's table (the in-step reserve)
     unparked: int = 0  # parked versions predicted within the step: their entries came back at once
+    hits_in_flight: int = 0  # hits on a copy still in flight when the layer was sent to it (wait_for_copies)
     promotions: int = 0
     demotions: int = 0
     evictions: int = 0
@@ -98,6 +99,7 @@ class ExpertMetrics:
             "prefetches_late": self.prefetches_late,
             "parked_misses": self.parked_misses,
             "unparked": self.unparked,
+            "hits_in_flight": self.hits_in_flight,
             "promotions": self.promotions,
             "demotions": self.demotions,
             "evictions": self.evictions,

@@ -24,6 +24,8 @@ import torch
 
 NOT_RESIDENT = -1
 UNUSED = -2  # in a step's record of where each expert ran from: no token chose it
+WAITED = 1 << 8  # added to the pool id in that record: its copy was in flight when the layer was sent
+#                  to it (wait_for_copies), the layer waited for it to land if it had not yet
 
 
 def slot_in_pool(slot_of: torch.Tensor, pool: int, expert: int):
