@@ -27,7 +27,7 @@ HIDDEN, INTER, TOP_K = 2048, 1024, 8
 OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)")
 
 
-def compile_kernel(kernel: str, bits: int, group: int, tiles: list[int], packed: str) -> bytes:
+def compile_kernel(kernel: str, bits: int, group: int, tiles: list[int], packed: str, wait_pool: int = -1) -> bytes:
     block_m, block_n, block_k, warps, stages = tiles
     jit = fm._gate_up_kernel if kernel == "gate_up" else fm._down_kernel
     if kernel == "gate_up":
@@ -36,12 +36,13 @@ def compile_kernel(kernel: str, bits: int, group: int, tiles: list[int], packed:
     else:
         sig = {"h_ptr": "*bf16", "y_ptr": "*fp32", "routing_ptr": "*fp32"}
         const = {"HIDDEN": HIDDEN, "INTER": INTER}
-    sig.update({name: "*i32" for name in ("sorted_pair_ptr", "block_expert_ptr", "pool_of_ptr", "slot_of_ptr")})
+    sig.update({name: "*i32" for name in ("sorted_pair_ptr", "block_expert_ptr", "pool_of_ptr", "slot_of_ptr",
+                                          "wait_ptr", "landed_ptr")})  # fmt: skip
     sig.update({name: "i32" for name in ("slot_stride", "num_pairs", "POOL_ID", "row_data", "row_param",
                                          "data_off", "scale_off", "offset_off")})  # fmt: skip
     sig.update(data_ptr="*u8", param_ptr="*fp16")
     const.update(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, group),
-                 PACKED=fm.PACKED_TILES[packed], DOT_PRECISION="tf32")  # fmt: skip
+                 PACKED=fm.PACKED_TILES[packed], DOT_PRECISION="tf32", WAIT=wait_pool)  # fmt: skip
     sig.update({name: "constexpr" for name in const})
     sig = {a: sig[a] for a in jit.arg_names}
     aligned = [i for i, a in enumerate(jit.arg_names)
@@ -69,10 +70,11 @@ def main() -> None:
     ap.add_argument("--tiles", default="32,128,64,4,3")
     ap.add_argument("--packed-tile", nargs="+", default=["v2", "v3"], choices=sorted(fm.PACKED_TILES))
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--wait-pool", type=int, default=-1, help="compile the wait for copies in flight (a pool id)")
     args = ap.parse_args()
     tiles = [int(x) for x in args.tiles.split(",")]
     for packed in args.packed_tile:
-        counts = histogram(compile_kernel(args.kernel, args.bits, args.group, tiles, packed))
+        counts = histogram(compile_kernel(args.kernel, args.bits, args.group, tiles, packed, args.wait_pool))
         top = "  ".join(f"{op} {n}" for op, n in counts.most_common(args.top))
         print(f"{args.kernel} int{args.bits} g{args.group} tiles {args.tiles} {packed}: {sum(counts.values())} instructions"
               f" (I2F {counts['I2F']})  {top}")  # fmt: skip
