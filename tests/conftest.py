@@ -28,6 +28,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+    # the files whose kernel tests wait for the background interpreter run go last: the workers run
+    # everything else meanwhile instead of one of them idling at the wait (it takes minutes)
+    from triton_interpreter import KERNEL_TESTS
+
+    items.sort(key=lambda item: Path(str(item.fspath)).name in KERNEL_TESTS)  # stable: order kept otherwise
 
 
 @pytest.fixture(scope="session")

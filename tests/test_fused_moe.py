@@ -134,7 +134,8 @@ def test_fused_kernel_mixed_table(kernel, dtype, num_tokens):
 
 @pytest.mark.parametrize(
     "packed_tile,dtype",
-    [(t, d) for t in ("v2", "v2i", "v3") for d in (torch.float32, torch.bfloat16)] + [("v3", torch.float16)],
+    [(t, d) for t in ("v2", "v2i") for d in (torch.float32, torch.bfloat16)]
+    + [("v3", torch.bfloat16), ("v3", torch.float16)],
 )
 @pytest.mark.parametrize("num_tokens", [1, 3, 33, 80])
 def test_fused_kernel_packed_tile_products(kernel, packed_tile, dtype, num_tokens):
@@ -143,7 +144,9 @@ def test_fused_kernel_packed_tile_products(kernel, packed_tile, dtype, num_token
     (T=3, 33) and 64-row blocks (T=80). H=128, I=64: int2's tiles take tl.dot in both projections
     (16 bytes of codes per K-tile), gate_up has two K-tiles per row, inside one group (int2) or one
     group each (int4). v3 converts the codes without int-to-float conversions (float16 exercises it
-    under the interpreter, bfloat16 on CUDA)."""
+    under the interpreter, bfloat16 on CUDA: the interpreter's bf16 takes v2's float32 codes)."""
+    if packed_tile == "v3" and dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("v3's bf16 codes run on CUDA only (the interpreter's bf16 arithmetic is wrong)")
     hidden_size, inter = 128, 64
     pools = [
         make_pool(3, inter, hidden_size, "hi", dtype, seed=1),
