@@ -516,7 +516,7 @@ class ResidencyManager:
         an expert to its hottest)."""
         if not self.table_mode or self.options.deterministic or self._static_table is not None:
             return []
-        if any(tier_rank(other) < tier_rank(pool) for other in handle.versions):
+        if self._hotter_kept(handle, pool):
             return []
         # the host's table takes the new slot at once: no reader looks in this pool's row for the
         # expert before its pool word says so, and a whole-table write between the copy's two words
@@ -534,41 +534,46 @@ class ResidencyManager:
 
     def _waiting_entry(self, handle: ExpertHandle, version: DeviceVersion) -> None:
         """Within a step (wait_for_copies): send `handle`'s later layer to its hi copy that has just
-        started, now: slot word, the copy's number, then the pool word, on the demand stream; the
-        layer waits on the device for the copy's landed word."""
-        layer, expert, pid = handle.layer, handle.expert, self.pool_ids["hi"]
+        started, now, with the copy's number: the layer waits on the device for the copy's landed word."""
         if any(v.published for v in handle.versions.values()):
             return  # it has a version to run already
-        self._table_master[layer, 0, expert] = pid
-        self._table_master[layer, 1 + pid, expert] = version.slot
-        self._table_master[layer, self._wait_row, expert] = version.gen
-        row = self._table_device[layer]
-        words = [(row[1 + pid, expert : expert + 1], self._pinned_word(version.slot)),
-                 (row[self._wait_row, expert : expert + 1], self._pinned_word(version.gen)),
-                 (row[0, expert : expert + 1], self._pinned_word(pid))]  # fmt: skip
-        self.transfer.write_words(words)
+        self._point_entry(handle, "hi", version.slot, wait=version.gen)
 
-    def _entry_words_for(self, layer: int, expert: int, pool: str, slot: int) -> list:
-        """The two `(device word, pinned word)` writes that point `(layer, expert)`'s device entry at
-        `slot` of `pool`: the slot in the pool's row first, then the pool word (a reader sees the old
-        entry or the new one), from a ring of pinned words."""
+    def _entry_words_for(self, layer: int, expert: int, pool: str, slot: int, wait: int | None = None) -> list:
+        """The `(device word, pinned word)` writes that point `(layer, expert)`'s device entry at `slot`
+        of `pool`: the slot in the pool's row first, then (given) the copy to wait for, then the pool
+        word (a reader sees the old entry or the new one), from a ring of pinned words."""
         pid = self.pool_ids[pool]
         row = self._table_device[layer]
-        return [(row[1 + pid, expert : expert + 1], self._pinned_word(slot)),
-                (row[0, expert : expert + 1], self._pinned_word(pid))]  # fmt: skip
+        words = [(row[1 + pid, expert : expert + 1], self._pinned_word(slot))]
+        if wait is not None:
+            words.append((row[self._wait_row, expert : expert + 1], self._pinned_word(wait)))
+        return words + [(row[0, expert : expert + 1], self._pinned_word(pid))]
+
+    def _point_entry(self, handle: ExpertHandle, pool: str, slot: int, wait: int | None = None) -> None:
+        """Within a step: the host's table and, at once on the demand stream, the device's send
+        `handle` to `slot` of `pool` (and, given, to wait for copy `wait`); the next whole-table write
+        keeps what the host's table says."""
+        layer, expert, pid = handle.layer, handle.expert, self.pool_ids[pool]
+        self._table_master[layer, 0, expert] = pid
+        self._table_master[layer, 1 + pid, expert] = slot
+        if wait is not None:
+            self._table_master[layer, self._wait_row, expert] = wait
+        self.transfer.write_words(self._entry_words_for(layer, expert, pool, slot, wait))
 
     def _republish(self, handle: ExpertHandle, pool: str) -> None:
         """Within a step: point the device table at `handle`'s landed version in `pool` now (a parked
-        version predicted after all), slot word first, then the pool word, on the copy side's own
-        stream; the host's table says the same, so the next whole-table write keeps it."""
+        version predicted after all)."""
         version = handle.versions[pool]
-        if not self._publish_if_ready(version) or any(tier_rank(o) < tier_rank(pool) for o in handle.versions):
+        if not self._publish_if_ready(version) or self._hotter_kept(handle, pool):
             return
-        layer, expert, pid = handle.layer, handle.expert, self.pool_ids[pool]
-        self._table_master[layer, 0, expert] = pid
-        self._table_master[layer, 1 + pid, expert] = version.slot
-        self.transfer.write_words(self._entry_words_for(layer, expert, pool, version.slot))
+        self._point_entry(handle, pool, version.slot)
         self.metrics.bump("unparked")
+
+    @staticmethod
+    def _hotter_kept(handle: ExpertHandle, pool: str) -> bool:
+        """A version in a hotter tier than `pool` is kept: the table sends the expert there, not here."""
+        return any(tier_rank(other) < tier_rank(pool) for other in handle.versions)
 
     def _publish_if_ready(self, version: DeviceVersion) -> bool:
         # deterministic: a copy becomes visible at the next step boundary, whenever it lands
