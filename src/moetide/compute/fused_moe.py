@@ -24,9 +24,9 @@ gptq/awq kernel). A K-tile of a packed matrix lies inside one group, so each out
 float16 scale s and offset o per tile. Four tile products, picked per (T bucket, format) by the
 tile table (`KernelConfig.packed_tile`), or for every call by MOETIDE_PACKED_TILE, or per call
 (`fused_moe(packed_tile=...)`); measured against each other on the H200 (`scripts/tune_fused_moe.py
---variants`, BENCHMARKS.md), the table picks v3 where it was fastest by ≥ 5 % (int2 at T = 32, int4 at
-T = 128), v2 where it beat v1 (int2 at T = 1 and 128) and v1 elsewhere; v2i was never clearly faster
-and stays for comparison only:
+--variants`, BENCHMARKS.md), the table picks v3 at T = 32 (int4 and int2, with tiles tuned for it)
+and for int4 at T = 128, v2 where it beat v1 (int2 at T = 1 and 128) and v1 elsewhere; v2i was never
+clearly faster and stays for comparison only:
   v1   every weight dequantized in float32 (c * s + o) and rounded to the activation dtype, each bit
        field dotted with its strided slice of the activations, loaded from memory once per field
        (`_tile_product`): the reference's rounding.
@@ -38,7 +38,8 @@ and stays for comparison only:
        activation tile.
   v3   as v2, but a code becomes a bf16 / fp16 operand without an int-to-float conversion (`_codes`:
        its bits ORed into the mantissa of a power of two, which is then subtracted). On the H200
-       it beat v2 in 6 of 8 int4/int2 cells, but v1 still led for int4 at T = 1 to 32 and int2 at T = 8.
+       it beat v2 in 6 of 8 int4/int2 cells; with v1's tiles v1 still led for int4 at T = 1 to 32
+       and int2 at T = 8, with its own tiles v3 led at T = 32 (int4 261 against 293 us).
 v2, v2i and v3 round no weight: their results differ from the reference (which rounds the dequantized
 weights to the activation dtype before its matmul) by that rounding, ~2^-9 relative per weight for
 bf16 activations, none for float32. The GEMV tiles (BLOCK_M 1) follow the same switch, in float32.
