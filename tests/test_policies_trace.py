@@ -536,3 +536,44 @@ def test_the_searcher_process_decides_what_the_inline_handler_decides():
     assert len(stores["process"]) == len(stores["inline"])
     last = len(stores["inline"]) - 1
     torch.testing.assert_close(stores["process"].map(last), stores["inline"].map(last))
+
+
+def test_a_paused_searcher_process_reads_every_event_and_decides_nothing():
+    """`pause_searches(True)`: the child consumes what the hooks publish (the ring never fills) but
+    searches, inserts and decides nothing; unpaused, the same steps are searched and decided again."""
+    warm = synthetic_trace([0, 1, 2, 3], decode_steps=8)
+    meta = warm.meta
+    policy = FineMoEPolicy(prefetch_distance=1, searcher="process")
+    sink = RecordingSink()
+    policy.attach(sink, meta.num_layers, meta.num_experts, meta.top_k)
+    policy.warm_up(warm.select_requests([0, 1]))
+
+    def replay():
+        for s in range(len(warm)):
+            step = warm.step(s)
+            policy.begin_iteration(s, step.embedding, step.num_tokens)
+            for layer in range(meta.num_layers):
+                policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+                assert policy.drain(timeout_s=60)
+            policy.end_iteration(s)
+            assert policy.drain(timeout_s=60)
+
+    try:
+        stored = len(policy.store)
+        policy.pause_searches(True)
+        before = policy.stats()
+        replay()
+        paused = policy.stats()
+        assert sink.calls == []
+        assert paused["semantic_searches"] + paused["trajectory_searches"] == (
+            before["semantic_searches"] + before["trajectory_searches"]
+        )
+        policy.pause_searches(False)
+        replay()
+        assert policy.stats()["trajectory_searches"] > paused["trajectory_searches"] and sink.calls
+        policy._sync_store_from_process()
+        assert len(policy.store) > stored  # online inserts resumed (none while paused)
+    finally:
+        policy.close()
+    with pytest.raises(ValueError, match="searcher process"):
+        FineMoEPolicy(prefetch_distance=1, searcher="thread").pause_searches(True)

@@ -197,6 +197,15 @@ class FineMoEPolicy(PolicyBase):
             geometry = (self.num_layers, self.num_experts, self.top_k, hidden_size)
             self._process = SearcherProcess(self.config, geometry, self.store)
 
+    def pause_searches(self, paused: bool) -> None:
+        """With the searcher in its own process: `paused`, the child drops every event unread (no
+        search, no insert, no decision) while the hooks publish as always, so a benchmark can pair
+        FineMoE with its publishing alone on one engine."""
+        if self._process is None:
+            raise ValueError("pause_searches needs a running searcher process (searcher='process')")
+        self._process.drain()  # the events published before the switch are handled as they were
+        self._process.paused = paused
+
     def _sync_store_from_process(self) -> None:
         """Bring the searcher process's store (with its online inserts) back into `self.store`."""
         if self._process is not None and self._process.alive:

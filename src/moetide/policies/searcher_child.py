@@ -28,6 +28,7 @@ from .searcher_process import (
     _POSITION,
     _READ_SEQ,
     _READY,
+    _PAUSED,
     _SLEEPING,
     _WRITE_SEQ,
     IDLE_S,
@@ -145,6 +146,10 @@ def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, stat
         while read < end:
             slot = read % S
             kind, it, layer, count = rings.ev_head[slot].tolist()
+            if rings.ctrl[_PAUSED]:  # read and dropped (the forward side's cost alone is measured)
+                read += 1
+                rings.ctrl[_READ_SEQ] = read
+                continue
             try:
                 if kind == KIND_BEGIN:
                     embedding = torch.from_numpy(rings.ev_data[slot, :H].copy())

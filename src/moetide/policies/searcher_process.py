@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 # ctrl indices
-_WRITE_SEQ, _READ_SEQ, _DEC_SEQ, _DEC_APPLIED, _POSITION, _READY, _SLEEPING = range(7)
+_WRITE_SEQ, _READ_SEQ, _DEC_SEQ, _DEC_APPLIED, _POSITION, _READY, _SLEEPING, _PAUSED = range(8)
 # the handler's counters (FineMoEPolicy attributes of the same names), then the child's own
 POLICY_COUNTERS = (
     "semantic_searches",
@@ -226,6 +226,16 @@ class SearcherProcess:
     @property
     def ready(self) -> bool:
         return bool(self.rings.ctrl[_READY])
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.rings.ctrl[_PAUSED])
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        """Paused: the child reads every event and drops it (no search, no insert, no decision), so
+        the forward process publishes exactly as it does otherwise (what publishing alone costs)."""
+        self.rings.ctrl[_PAUSED] = int(value)
 
     @property
     def alive(self) -> bool:
