@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the fused MoE path: its tests, the per-layer kernel timings (and tuning),
 # then decode tok/s and prefill TTFT against transformers' static-cache generate. Steps named in $@:
-#   tests gputests tune bench zerocopy decode qwen15 quant searcher trace
+#   tests gputests tune retune bench zerocopy decode qwen15 quant searcher trace
 # (no openai/pydantic on the GPU image: the server tests stay on the CPU)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
@@ -22,6 +22,15 @@ for step in "$@"; do
                --ignore=tests/test_server.py --ignore=tests/test_server_prompt.py --ignore=tests/test_server_shutdown.py \
                -x ${GPUTESTS_K:+-k "$GPUTESTS_K"} 2>&1 | tail -40 ;;
     tune)  timeout $(T ${TUNE_S:-200}) python3 scripts/tune_fused_moe.py --out "$OUT/fused_layer.json" ${TUNE_ARGS:---tokens 1,8,32,128} ;;
+    retune) # tune RETUNE_TOKENS for every tile product, take each cell's fastest into this tree's table
+            # (also returned as $OUT/fused_moe_configs.json), then decode with it at batch 1 and 32
+            timeout $(T ${TUNE_S:-150}) python3 scripts/tune_fused_moe.py --out "$OUT/retune.json" --tune \
+              --tokens ${RETUNE_TOKENS:-1,8,128} --variants v1,v2,v3 --formats int4,int2 --tune-seconds ${TUNE_SECONDS:-90} \
+              --write-table --table-variant best 2>&1 | grep -v "^  "
+            [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" src/moetide/compute/ \
+              && timeout $(T ${DECODE_S:-240}) python3 scripts/bench_decode_step.py --out "$OUT/decode_retuned.json" --prefill 0 \
+                --cache-dir /tmp/moetide-cache --policies ${DECODE_POLICIES:-no-offload,static-int4@6GiB,static-int2,combined} \
+                --batch-sizes 1,32 --compile off,auto --skip-hf 2>&1 | grep "^{" | cut -c1-200 ;;
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \
              | grep -v "Warn\|Loading\|it/s\]" ;;
     zerocopy) timeout $(T 60) python3 scripts/probe_zero_copy.py --out "$OUT/zero_copy.json" ;;
@@ -37,7 +46,7 @@ for step in "$@"; do
               --batch-sizes 1 --compile off,auto --hf default 2>&1 | grep "^{" | cut -c1-400 ;;
     quant)  timeout $(T 150) python3 scripts/time_quantization.py --device cuda --checkpoint /tmp/moetide-olmoe-synth \
               --out "$OUT/quant_time_olmoe.json" 2>&1 | tail -4 ;;
-    searcher) timeout $(T 200) python3 scripts/bench_searcher.py --device cuda --warm 24 --prompts 12 --new-tokens 32 \
+    searcher) timeout $(T 200) python3 scripts/bench_searcher.py --device cuda --warm 24 --prompts ${SEARCHER_PROMPTS:-36} --new-tokens 32 \
               --out "$OUT/searcher.json" 2>&1 | grep -v "Warn\|Loading" | tail -30 ;;
     trace)  # held-out demo-model routing (48 requests x 32 tokens, the first 16 as warm-up) onto the OLMoE
             # expert size at 25 % of the experts: the engine's own residency, copies and feed decide hits
