@@ -90,6 +90,36 @@ def child_entry() -> None:
     searcher_main(config, geometry, SharedRings(memory, *sizes), wake_fd, conn, state)
 
 
+def _handle_events(policy, rings: SharedRings, read: int, end: int, errors: list, H: int, J: int) -> int:
+    """Hand the ring's events `read` .. `end` - 1 to `policy` in order (all dropped unread while
+    `ctrl[PAUSED]` is set), advancing the read counter after each; returns `end`."""
+    import torch
+
+    S = rings.sizes[0]
+    while read < end:
+        slot = read % S
+        kind, it, layer, count = rings.ev_head[slot].tolist()
+        if rings.ctrl[_PAUSED]:  # read and dropped (the forward side's cost alone is measured)
+            read += 1
+            rings.ctrl[_READ_SEQ] = read
+            continue
+        try:
+            if kind == KIND_BEGIN:
+                embedding = torch.from_numpy(rings.ev_data[slot, :H].copy())
+                policy._handle(("begin", it, embedding, count))
+            elif kind == KIND_LAYER:
+                policy._handle(("layer", it, layer, rings.ev_data[slot, :J].copy(), count))
+            else:
+                policy._handle(("end", it))
+        except Exception as e:  # noqa: BLE001 - a failed search must never take the engine down
+            errors.append(f"{type(e).__name__}: {e}")
+            if len(errors) <= 3:
+                traceback.print_exc(file=sys.stderr)
+        read += 1
+        rings.ctrl[_READ_SEQ] = read
+    return read
+
+
 def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, state) -> None:
     """The child process: handle events as they come, answer control messages, exit with the parent."""
     import torch
@@ -109,7 +139,6 @@ def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, stat
         policy.store = ExpertMapStore.from_state(state)
     errors: list[str] = []
     read = 0
-    S = rings.sizes[0]
     rings.ctrl[_READY] = 1
     last_event = time.monotonic()
     while True:
@@ -143,27 +172,7 @@ def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, stat
         if read == end:
             continue
         last_event = time.monotonic()
-        while read < end:
-            slot = read % S
-            kind, it, layer, count = rings.ev_head[slot].tolist()
-            if rings.ctrl[_PAUSED]:  # read and dropped (the forward side's cost alone is measured)
-                read += 1
-                rings.ctrl[_READ_SEQ] = read
-                continue
-            try:
-                if kind == KIND_BEGIN:
-                    embedding = torch.from_numpy(rings.ev_data[slot, :H].copy())
-                    policy._handle(("begin", it, embedding, count))
-                elif kind == KIND_LAYER:
-                    policy._handle(("layer", it, layer, rings.ev_data[slot, :J].copy(), count))
-                else:
-                    policy._handle(("end", it))
-            except Exception as e:  # noqa: BLE001 - a failed search must never take the engine down
-                errors.append(f"{type(e).__name__}: {e}")
-                if len(errors) <= 3:
-                    traceback.print_exc(file=sys.stderr)
-            read += 1
-            rings.ctrl[_READ_SEQ] = read
+        read = _handle_events(policy, rings, read, end, errors, H, J)
         counters.update({name: getattr(policy, name) for name in POLICY_COUNTERS})
         counters.update(
             search_ns=int(policy.search_time_s * 1e9),
