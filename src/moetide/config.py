@@ -138,7 +138,8 @@ class EngineConfig:
             prefetch that has not landed) waits for that copy on the device (the MoE kernel spins on
             the slot's landed word, which the copy stream writes after the data) instead of running
             it from host memory or lo: a late prefetch becomes a hit with a stall. No host sync.
-            Off by default (not yet measured on a GPU).
+            Off by default (H200 trace replay, FineMoE: hit rate 0.692 against 0.677, 28.8 against
+            30.1 tok/s).
         searcher: where FineMoE's map searcher runs (finemoe, combined): "process" (the default: its
             own process, fed through shared memory; the forward thread only copies observations
             in and decisions out) or "thread" (a thread of the engine's process, which shares the

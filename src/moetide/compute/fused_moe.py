@@ -270,10 +270,10 @@ def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_
                 wait_ptr, landed_ptr, BLOCK_M: tl.constexpr, WAIT: tl.constexpr):  # fmt: skip
     """This program's block: (runs here?, pool row, sorted positions (BLOCK_M,), pairs, pair mask).
     The row is read from this pool's row of the slot table (`slot_stride` = E, or 0 for one row).
-    WAIT >= 0, the pool the landed words are for: in that pool, the expert's `wait_ptr` word, when
-    not 0, is the number of a copy into its row still in flight when the table sent the layer there:
-    spin on the row's landed word (volatile: the copy stream writes it after the data) until it says
-    so, at most WAIT_SPINS reads."""
+    WAIT >= 0 (the launch for the pool the landed words are for, whose id it is): the expert's
+    `wait_ptr` word, when not 0, is the number of a copy into its row still in flight when the table
+    sent the layer there: spin on the row's landed word (volatile: the copy stream writes it after
+    the data) until it says so, at most WAIT_SPINS reads."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
     safe = tl.maximum(expert, 0)
@@ -282,7 +282,7 @@ def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_
     row = tl.load(slot_of_ptr + POOL_ID * slot_stride + safe).to(tl.int64)
     if WAIT >= 0:
         want = tl.load(wait_ptr + safe)
-        if runs and POOL_ID == WAIT and want != 0:
+        if runs and want != 0:
             spins = 0
             while (tl.load(landed_ptr + row, volatile=True) != want) & (spins < WAIT_SPINS):
                 spins += 1
@@ -537,12 +537,12 @@ def fused_moe(
         DOT_PRECISION=dot_precision,
         wait_ptr=waits[0] if waits is not None else pool_of,  # (unread when WAIT is -1)
         landed_ptr=waits[1] if waits is not None else pool_of,
-        WAIT=waits[2] if waits is not None else -1,
     )
     for pool_id, pool in enumerate(pools):
         if pool is None:  # a pool without slots (no expert can point there)
             continue
         f = pool.format
+        common["WAIT"] = pool_id if waits is not None and pool_id == waits[2] else -1  # only its pool waits
         _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
                        f.gate_up, config, packed_tile, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
                        TOP_K=top_k, **common)  # fmt: skip

@@ -17,6 +17,8 @@ import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
+import torch
+
 from .expert_map import ExpertMapStore
 from .finemoe import FineMoEPolicy
 from .searcher_process import (
@@ -93,8 +95,6 @@ def child_entry() -> None:
 def _handle_events(policy, rings: SharedRings, read: int, end: int, errors: list, H: int, J: int) -> int:
     """Hand the ring's events `read` .. `end` - 1 to `policy` in order (all dropped unread while
     `ctrl[PAUSED]` is set), advancing the read counter after each; returns `end`."""
-    import torch
-
     S = rings.sizes[0]
     while read < end:
         slot = read % S
@@ -122,8 +122,6 @@ def _handle_events(policy, rings: SharedRings, read: int, end: int, errors: list
 
 def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, state) -> None:
     """The child process: handle events as they come, answer control messages, exit with the parent."""
-    import torch
-
     torch.set_num_threads(1)
     L, J, top_k, H = geometry
     counters = dict.fromkeys(_COUNTERS, 0)
