@@ -5,7 +5,8 @@ a compiled step), all in one process on one checkpoint (a model shape with rando
 as a real safetensors checkpoint).
 
     python scripts/bench_decode_step.py --out out/decode_step.json [--batch-sizes 1,32] \
-        [--policies no-offload,static-int4,static-int2,combined,lru] [--budget 4GiB] [--hf default,static]
+        [--policies no-offload,static-int4,static-int2,combined,lru] [--budget 4GiB] [--hf default,static] \
+        [--compile off,auto] [--decode-ahead auto,off]
 
 Decode tok/s of a batch = generated tokens after each sequence's first / wall time of the steps
 after the prefill (a warm-up of the same shape runs first, untimed). Each moetide run also reports
@@ -61,13 +62,13 @@ def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
 
 
 def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, compile_mode="off",
-                  cache_dir=None, in_step=True, decode_attention="auto") -> list[dict]:  # fmt: skip
+                  cache_dir=None, in_step=True, decode_attention="auto", decode_ahead="auto") -> list[dict]:  # fmt: skip
     free_device()
     t0 = time.perf_counter()
     extra = {} if in_step else {"extra": {"in_step": False}}
     llm = moetide.LLM(str(path), policy=policy, gpu_memory=budget, max_num_seqs=max(batch_sizes),
                       max_model_len=max(prefill_len + 8, 256), compile=compile_mode, cache_dir=cache_dir,
-                      decode_attention=decode_attention, **extra)  # fmt: skip
+                      decode_attention=decode_attention, decode_ahead=decode_ahead, **extra)  # fmt: skip
     load_s = time.perf_counter() - t0
     vocab = llm.loaded.config.vocab_size
     rows = []
@@ -85,6 +86,7 @@ def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, co
         feed = llm.loaded.policy_hooks.feed if llm.loaded.policy_hooks is not None else None
         rows.append({"engine": "moetide", "policy": policy, "gpu_memory": budget, "batch": b, "load_s": load_s,
                      "compile": compile_mode, "decode_attention": decode_attention,
+                     "decode_ahead": decode_ahead, "ahead_steps": llm.engine.ahead_steps,
                      "decode_kernel": llm.engine.runner.kv.decode_kernel, "in_step": feed is not None, "host_syncs": llm.metrics.host_syncs,
                      **r, **residency, "graphs": graphs, "layer_feed": feed.stats() if feed else None})  # fmt: skip
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "graphs"}),
@@ -145,6 +147,7 @@ def main() -> int:
     ap.add_argument("--compile", default="off", help="comma-separated of auto,off: each policy once per setting")
     ap.add_argument("--decode-attention", default="auto",
                     help="comma-separated of auto,gather,kernel: each policy once per setting")  # fmt: skip
+    ap.add_argument("--decode-ahead", default="auto", help="comma-separated of auto,off: each policy once per setting")
     ap.add_argument("--hf", default="static", help="comma-separated transformers baselines: default,static")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cache-dir", default=None, help="where lo versions are cached between loads (prepare's)")
@@ -162,14 +165,15 @@ def main() -> int:
         policy, _, own_budget = spec.partition("@")  # static-int4@6GiB: this policy's own budget
         # a policy that offloads nothing runs uncapped (the whole model on the GPU)
         budget = None if policy_spec(policy).memory_mode == "all-hi" else own_budget or args.budget
-        for compile_mode, attention in itertools.product(args.compile.split(","), args.decode_attention.split(",")):
+        axes = itertools.product(args.compile.split(","), args.decode_attention.split(","), args.decode_ahead.split(","))
+        for compile_mode, attention, ahead in axes:
             try:
                 report["runs"] += bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill,
                                                 compile_mode, args.cache_dir, in_step=not late,
-                                                decode_attention=attention)  # fmt: skip
+                                                decode_attention=attention, decode_ahead=ahead)  # fmt: skip
             except Exception as e:
                 report["runs"].append({"engine": "moetide", "policy": policy, "compile": compile_mode,
-                                       "decode_attention": attention,
+                                       "decode_attention": attention, "decode_ahead": ahead,
                                        "error": f"{type(e).__name__}: {e}"[:500]})  # fmt: skip
                 print(report["runs"][-1], flush=True)
             out.write_text(json.dumps(report, indent=1))

@@ -2,7 +2,11 @@
 """Where a decode step's time goes: batch-B decode steps of moetide policies on a synthetic shape, timed
 (device-synced), then profiled with torch.profiler (host ops, kernels, launches) and cProfile (Python).
 
-    python scripts/profile_decode.py --out profile.json [--policies combined,static-int2] [--batch-size 32]
+    python scripts/profile_decode.py --out profile.json [--policies combined,static-int2] [--batch-size 32] \
+        [--compile off,auto] [--cache-dir DIR]
+
+`decode_step_ms` is the wall time of a whole engine step, synced; `per_step_device_busy_ms` the
+kernels' own time in it (torch.profiler): their difference is what the host adds to a step.
 
 Diagnostic for the batch-32 throughput result; every number it prints is for the steps it ran.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import sys
@@ -31,7 +36,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def profile_policy(ckpt: Path, policy: str, args) -> dict:
+def profile_policy(ckpt: Path, policy: str, args, compile_mode: str = "off") -> dict:
     llm = moetide.LLM(
         str(ckpt),
         policy=policy,
@@ -39,6 +44,8 @@ def profile_policy(ckpt: Path, policy: str, args) -> dict:
         lo_kernel=args.lo_kernel,
         max_num_seqs=args.batch_size,
         max_model_len=args.prompt_len + 64,
+        compile=compile_mode,
+        cache_dir=args.cache_dir,
     )
     engine = llm.engine
     vocab = llm.loaded.config.vocab_size
@@ -47,7 +54,7 @@ def profile_policy(ckpt: Path, policy: str, args) -> dict:
             prompt_ids(vocab, args.prompt_len, seed=i),
             moetide.SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
         )
-    for _ in range(8):  # prefill (possibly chunked) plus a few decode steps of the whole batch
+    for _ in range(8):  # prefill (possibly chunked), then decode steps that capture (and compile) the graph
         engine.step()
     times = []
     for _ in range(args.steps):
@@ -87,6 +94,8 @@ def profile_policy(ckpt: Path, policy: str, args) -> dict:
     llm.close()
     return {
         "policy": policy,
+        "compile": compile_mode,
+        "batch": args.batch_size,
         "decode_step_ms": {
             "p50": round(sorted(times)[len(times) // 2], 2),
             "all": [round(t, 2) for t in times],
@@ -111,21 +120,23 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--compile", default="off", help="comma-separated of off,auto: each policy once per setting")
+    ap.add_argument("--cache-dir", default=None, help="where lo versions are cached between loads")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     ckpt = Path(args.checkpoint) / args.shape
     if not (ckpt / "model.safetensors.index.json").is_file():
         write_synthetic_checkpoint(args.shape, ckpt)
     results = {"command": " ".join(sys.argv), "runs": []}
-    for policy in args.policies.split(","):
+    for policy, compile_mode in itertools.product(args.policies.split(","), args.compile.split(",")):
         try:
-            r = profile_policy(ckpt, policy, args)
+            r = profile_policy(ckpt, policy, args, compile_mode)
         except Exception as e:  # noqa: BLE001 - one policy failing must not lose the others
-            r = {"policy": policy, "error": f"{type(e).__name__}: {e}"}
+            r = {"policy": policy, "compile": compile_mode, "error": f"{type(e).__name__}: {e}"}
         results["runs"].append(r)
         Path(args.out).write_text(json.dumps(results, indent=2))
         print(
-            json.dumps({k: r.get(k) for k in ("policy", "decode_step_ms", "per_step_kernel_launches",
+            json.dumps({k: r.get(k) for k in ("policy", "compile", "decode_step_ms", "per_step_kernel_launches",
                                                "per_step_sync_or_copy_calls", "per_step_device_busy_ms", "error")}),
             flush=True,
         )  # fmt: skip

@@ -12,7 +12,9 @@ import re
 import sys
 import time
 
-from .config import COMPILE_MODES, CUDA_GRAPHS, LO_KERNELS, ON_MISS, POLICIES, SEARCHERS, EngineConfig, format_bytes
+from .config import (
+    COMPILE_MODES, CUDA_GRAPHS, DECODE_AHEAD, LO_KERNELS, ON_MISS, POLICIES, SEARCHERS, EngineConfig, format_bytes,
+)
 from .errors import ConfigError, MoetideError
 from .store.formats import LOW_BIT_FORMATS
 
@@ -173,6 +175,14 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         " the default)",
     )
     p.add_argument(
+        "--decode-ahead",
+        default="auto",
+        choices=DECODE_AHEAD,
+        help="launch each decode step before the host reads the last step's tokens, where every row is"
+        " greedy and nothing waits to be prefilled (auto, the default), or read every step's tokens"
+        " first (off)",
+    )
+    p.add_argument(
         "--searcher",
         default="process",
         choices=SEARCHERS,
@@ -219,6 +229,7 @@ def precision_options_from_args(args) -> dict:
         "lo_kernel": args.lo_kernel,
         "cuda_graphs": args.cuda_graphs,
         "compile": args.compile,
+        "decode_ahead": args.decode_ahead,
         "deterministic": args.deterministic,
         "wait_for_copies": args.wait_for_copies,
         "searcher": args.searcher,

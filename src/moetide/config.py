@@ -67,6 +67,7 @@ ON_MISS = ("auto", "lo", "zero-copy", "stall")  # see EngineConfig.on_miss
 # 316 tok/s; 8,192 tokens none, 0.93 s, 1,252 tok/s.
 SERVE_KV_TOKENS_PER_SEQ = 128
 COMPILE_MODES = ("auto", "off")  # torch.compile of the captured decode step (engine/graphed_decode.py)
+DECODE_AHEAD = ("auto", "off")  # the next decode step launched before this one's tokens are read
 SEARCHERS = ("process", "thread")  # where FineMoE's searcher runs (policies/finemoe.py)
 
 
@@ -129,6 +130,16 @@ class EngineConfig:
             non-expert elementwise work; the MoE layers stay the fused kernel; CUDA only, once per
             batch and column bucket) before capturing it; "off" (the default, see BENCHMARKS.md for
             the measurement) captures the eager step.
+        decode_ahead: "auto" (the default) launches a decode step before the host has read the tokens
+            of the step before it: the sampled tokens stay on the device and feed the next step, and
+            the host reads them (stop checks, text, outputs) while that step runs, so scheduling and
+            the graph launch overlap the device's work. It applies while every decoding row samples
+            greedily on the device, no prompt is being prefilled or could be admitted, the KV pool
+            has a block for every running sequence, no layer feed follows the steps (finemoe, lru
+            and moe-infinity keep reading each step as it runs) and not `deterministic`; otherwise
+            the step reads its tokens before the next is scheduled. A sequence that stops on a stop
+            token or string had one more step run for it, whose token is dropped. "off": every
+            step's tokens are read before the next step is scheduled.
         deterministic: residency decisions become a function of the request stream alone: copies are
             published only at step boundaries (each step waits for the copies issued before it),
             FineMoE's searches run inline on the forward thread, and DynaExq updates every
@@ -169,6 +180,7 @@ class EngineConfig:
     cuda_graphs: str = "auto"
     prefix_caching: bool = True
     compile: str = "off"
+    decode_ahead: str = "auto"
     deterministic: bool = False
     wait_for_copies: bool = False
     searcher: str = "process"
@@ -195,6 +207,10 @@ class EngineConfig:
             raise ConfigError(f"--searcher must be one of {', '.join(SEARCHERS)}, got {self.searcher!r}")
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.decode_ahead not in DECODE_AHEAD:
+            raise ConfigError(
+                f"--decode-ahead must be one of {', '.join(DECODE_AHEAD)}, got {self.decode_ahead!r}"
+            )
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ConfigError(
                 f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}"

@@ -192,6 +192,9 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
     blocks, kv = paged_kv(config, loaded, kv_tokens, max_model_len)
     if decode_attention_kernel(config, loaded):
         use_decode_kernel(loaded.model, kv)
+    # a layer feed follows each step as it runs and drops what arrives for a step not the latest begun:
+    # its policies keep reading each step's tokens before the next starts (EngineConfig.decode_ahead)
+    feed = loaded.policy_hooks.feed if loaded.policy_hooks is not None else None
     engine = LLMEngine(
         ModelRunner(
             loaded.model,
@@ -209,6 +212,7 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
         max_model_len=max_model_len,
         kv_cache_tokens=kv_tokens,
         prefill_chunk_tokens=min(PREFILL_CHUNK_TOKENS, MAX_PREFILL_TOKENS),
+        decode_ahead=config.decode_ahead == "auto" and feed is None and not config.deterministic,
     )
     return loaded, engine, tokenizer
 

@@ -5,6 +5,13 @@ and the KV blocks of their prompt are free (paged KV cache: engine/kv_blocks.py 
 engine/paged_cache.py on the device), prefills long prompts in chunks interleaved with the
 running decodes, and preempts the youngest sequence when blocks run out. Each step runs at most
 one decode forward (every decoding sequence) and one packed prefill forward.
+
+Decode ahead (`decode_ahead`): in a step that only decodes, the sampled tokens stay on the device;
+the next step is scheduled and launched with them as its input (`runner.DeviceTokens`), and only
+then does the host read them (stop checks, text, outputs), while the device runs that next step.
+A step reads its tokens before the next is scheduled whenever that next step could differ from a
+plain decode of the same sequences: a prompt to prefill or admit, a sequence that ends on its
+length, a KV pool short of a block per sequence, or a row that does not sample greedily.
 """
 
 from __future__ import annotations
@@ -18,12 +25,39 @@ import torch
 
 from ..errors import ConfigError
 from .kv_blocks import BlockAllocator
-from .runner import ModelRunner
+from .runner import DeviceTokens, ModelRunner
 from .sampling import SamplingParams, sample_next_tokens
 from .scheduler import Scheduler
 from .sequence import Sequence
 
 PREFILL_CHUNK_TOKENS = 512  # prompt tokens prefilled per step at most
+
+
+@dataclass
+class _Ahead:
+    """A decode step whose tokens the host has not read: `tokens (B,)` on the device, row i for
+    `seqs[i]`, and their copy to host memory, complete once `event` is (None: CPU, done)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: "torch.cuda.Event | None"
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], tokens: torch.Tensor) -> "_Ahead":
+        if tokens.device.type != "cuda":
+            return cls(seqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(seqs, tokens, host, event)
+
+    def read(self) -> torch.Tensor:
+        """The tokens on the host (waits for their copy: the step that sampled them has finished)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
 
 
 @dataclass
@@ -47,6 +81,8 @@ class LLMEngine:
         max_model_len: prompt + output tokens at most per sequence.
         kv_cache_tokens: the KV reservation of the memory plan (tokens), for reports; None = none given.
         prefill_chunk_tokens: prompt tokens prefilled per step at most.
+        decode_ahead: launch a decode step before reading the last one's tokens where that changes
+            nothing but timing (module docstring).
     """
 
     def __init__(
@@ -60,6 +96,7 @@ class LLMEngine:
         max_model_len: int = 2048,
         kv_cache_tokens: int | None = None,
         prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        decode_ahead: bool = False,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -71,6 +108,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             blocks, max_num_seqs=max_num_seqs, prefill_chunk_tokens=prefill_chunk_tokens
         )
+        self.decode_ahead = decode_ahead
+        self._ahead: _Ahead | None = None
+        self.ahead_steps = 0  # decode steps launched before the tokens of the step before were read
         self.steps = 0
         self.last_step: dict = {}  # the last step's shape: decode rows, prefill tokens, folded, queue
 
@@ -132,6 +172,7 @@ class LLMEngine:
         Recovery after `step()` raised: the running sequences' KV may be half-written, so none can
         be trusted (blocks hashed before the failed step hold complete KV and stay cached).
         """
+        self._drop_ahead()  # tokens of a step that may not have finished cleanly: never read
         failed = [s for s in self.running if not s.finished]
         for seq in failed:
             seq.finish(reason)
@@ -139,7 +180,7 @@ class LLMEngine:
         return failed
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ahead is not None)
 
     def warm_up(self, progress: bool = True) -> int:
         """Before serving, on CUDA: run every shape a client's request can meet once, so that each
@@ -224,11 +265,15 @@ class LLMEngine:
 
         The decoding sequences decode one token; then the scheduled prefill chunks run in one
         forward, and each sequence whose prompt (or, after a preemption, prompt + output) is then
-        complete samples its next token from it.
+        complete samples its next token from it. With decode ahead, a step that only decodes
+        returns the tokens of the step before it (module docstring).
         """
         self.steps += 1
         outputs: list[StepOutput] = []
         self.scheduler.drop_finished()
+        if self._ahead is not None and not self._can_chain():
+            outputs += self._read_ahead()
+            self.scheduler.drop_finished()
         scheduled = self.scheduler.schedule()
         self.runner.kv.reserve(self.blocks.high_water)
         # short prefill chunks ride in the decode step where the graphed decoder takes the rows
@@ -236,6 +281,10 @@ class LLMEngine:
         self.last_step = {"decode": len(scheduled.decode), "prefill": sum(n for _, n in scheduled.prefill),
                           "fold": fold, "running": len(self.running),
                           "waiting": len(self.waiting)}  # fmt: skip
+        if scheduled.decode and not scheduled.prefill and self._may_go_ahead(scheduled.decode):
+            return outputs + self._decode_ahead(scheduled.decode)
+        if self._ahead is not None:  # _can_chain let only a step that goes ahead again through
+            raise RuntimeError("a step was scheduled over tokens sampled ahead that it cannot take")
         if scheduled.decode or fold:
             chunks = scheduled.prefill if fold else []
             logits = self.runner.decode(scheduled.decode, chunks)
@@ -255,6 +304,65 @@ class LLMEngine:
         if not self.has_unfinished():  # idle: the last steps' observations reach metrics and policies
             self.runner.flush()
         return outputs
+
+    # -- decode ahead ----------------------------------------------------------------------------------
+    def _may_go_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether this decode step's tokens may stay on the device: every row samples greedily there."""
+        return self.decode_ahead and all(s.params.greedy for s in seqs)
+
+    def _can_chain(self) -> bool:
+        """Whether the next step may be scheduled before the tokens sampled ahead are read: it is then
+        a plain decode of the same sequences (no prompt to prefill or admit, no sequence ending on
+        its length, a free block for every running sequence: no preemption)."""
+        sched = self.scheduler
+        live = [s for s in self._ahead.seqs if not s.finished]
+        if not live or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+            return False
+        if any(s.pending_tokens > 1 or not s.params.greedy for s in sched.running):
+            return False
+        if self.blocks.num_available < len(sched.running):
+            return False
+        return not any(
+            len(s.output_ids) + s.ahead >= s.params.max_tokens or s.num_tokens >= self.max_model_len for s in live
+        )
+
+    def _decode_ahead(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """Decode `seqs`, keep the sampled tokens on the device, then read the step before's (while
+        this one runs); returns that step's outputs. The rows of sequences the step before finished
+        were run for nothing; their tokens are dropped when read."""
+        ahead = self._ahead
+        feed = None
+        if ahead is not None:
+            index = {id(s): i for i, s in enumerate(ahead.seqs)}
+            rows = [r for r, s in enumerate(seqs) if s.ahead]
+            feed = DeviceTokens(ahead.tokens, rows, [index[id(seqs[r])] for r in rows])
+            self.ahead_steps += 1
+        logits = self.runner.decode(seqs, device_tokens=feed)
+        tokens = self._sample(seqs, logits)
+        nxt = _Ahead.start(list(seqs), tokens)
+        outputs = self._read_ahead()  # the blocks its tokens fill are hashed below, with their ids
+        live = [s for s in seqs if not s.finished]
+        for seq in live:
+            self.scheduler.computed(seq, 1)
+            seq.ahead = 1
+        self._ahead = nxt if live else None  # rows of finished sequences only: nothing to read
+        self.scheduler.drop_finished()
+        return outputs
+
+    def _read_ahead(self) -> list[StepOutput]:
+        """Read the tokens sampled ahead (waits for the step that sampled them) and postprocess them."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return []
+        tokens = ahead.read()
+        for seq in ahead.seqs:
+            seq.ahead = 0
+        return self._postprocess(ahead.seqs, tokens)
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        for seq in ahead.seqs if ahead is not None else ():
+            seq.ahead = 0
 
     def _chunks_computed(
         self, chunks: list[tuple[Sequence, int]], logits: torch.Tensor

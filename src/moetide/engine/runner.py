@@ -44,6 +44,26 @@ FOLD_PREFILL_TOKENS = 32
 
 
 @dataclass
+class DeviceTokens:
+    """Input tokens of a decode step that only the device holds (decode ahead, LLMEngine): row
+    `rows[i]` of the step takes `tokens[index[i]]`; `tokens (N,)` int64, the step before's samples."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+    index: list[int]
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        """Overwrite those rows of `input_ids (B, 1)` on the device, in stream order (no host sync)."""
+        n = len(self.rows)
+        if self.rows == self.index == list(range(n)):
+            input_ids[:n, 0].copy_(self.tokens[:n])
+            return
+        dev = input_ids.device
+        picked = self.tokens.index_select(0, torch.tensor(self.index, device=dev))
+        input_ids.view(-1).index_copy_(0, torch.tensor(self.rows, device=dev), picked)
+
+
+@dataclass
 class DecodeBatch:
     """A decode step's layout on the host (int64): `input_ids (B,)`, `positions (B,)`,
     `slot_mapping (B,)`, `block_tables (B, W)`."""
@@ -209,7 +229,8 @@ class ModelRunner:
         allocated), then `n` rows per prefill chunk `(seq, n)`: its next `n` tokens at their
         positions, each row over the sequence's whole table."""
         rows: list[tuple[Sequence, int]] = [(s, s.num_tokens - 1) for s in seqs]
-        tokens = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
+        # a token sampled ahead is on the device only: its row is written there (DeviceTokens)
+        tokens = [0 if s.ahead else s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
         for seq, n in chunks:
             start = seq.num_computed
             rows += [(seq, p) for p in range(start, start + n)]
@@ -225,16 +246,22 @@ class ModelRunner:
             tables,
         )
 
-    def decode(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]] = ()) -> torch.Tensor:
+    def decode(
+        self,
+        seqs: list[Sequence],
+        chunks: list[tuple[Sequence, int]] = (),
+        device_tokens: DeviceTokens | None = None,
+    ) -> torch.Tensor:
         """One token for every sequence -> logits `(B, V)`; with prefill `chunks` (rows of the same
         step, `folds`), `(B + C, V)`: then each chunk's last token's. Replayed from a CUDA graph
-        where `graphs` can (graphed_decode: the rows padded to their row bucket), else eager."""
+        where `graphs` can (graphed_decode: the rows padded to their row bucket), else eager.
+        `device_tokens`: the rows whose input token only the device holds (sampled ahead)."""
         batch = self.decode_batch(seqs, chunks)
         rows = self.graphs.rows_for(batch.rows) if self.graphs is not None else None
         if rows is None:
-            logits = self._in_step(batch.rows, self._decode_eager, batch)
+            logits = self._in_step(batch.rows, self._decode_eager, batch, device_tokens)
         else:
-            logits = self._in_step(rows, self.graphs.decode, batch, rows, real_tokens=batch.rows)
+            logits = self._in_step(rows, self.graphs.decode, batch, rows, device_tokens, real_tokens=batch.rows)
         if not chunks:
             return logits
         keep, end = list(range(len(seqs))), len(seqs)
@@ -244,13 +271,16 @@ class ModelRunner:
         self.folded_tokens += end - len(seqs)
         return logits[torch.tensor(keep, device=logits.device)]
 
-    def _decode_eager(self, batch: DecodeBatch) -> torch.Tensor:
+    def _decode_eager(self, batch: DecodeBatch, device_tokens: DeviceTokens | None = None) -> torch.Tensor:
         dev = self.device
+        input_ids = batch.input_ids.to(dev).view(-1, 1)
+        if device_tokens is not None:
+            device_tokens.write(input_ids)
         positions = batch.positions.to(dev).view(-1, 1)
         columns = torch.arange(batch.width * self.block_size, device=dev)
         mask = mask_for(self.model.config, positions, columns)
         logits = self.forward(
-            batch.input_ids.to(dev).view(-1, 1),
+            input_ids,
             positions,
             mask,
             batch.slot_mapping.to(dev),

@@ -45,6 +45,9 @@ class Sequence:
     hashed_blocks: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     preemptions: int = 0
+    # decode ahead (LLMEngine): 1 while the token the last step sampled is still on the device only;
+    # it counts in `num_tokens` (the next step's input, at its position) but not in `output_ids`
+    ahead: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -52,7 +55,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.ahead
 
     @property
     def pending_tokens(self) -> int:
@@ -60,8 +63,12 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
-        """Prompt + output token ids `[start, end)`."""
-        end = self.num_tokens if end is None else end
+        """Prompt + output token ids `[start, end)`, of the tokens the host has read (not one sampled
+        ahead on the device)."""
+        known = len(self.prompt_ids) + len(self.output_ids)
+        end = known if end is None else end
+        if end > known:
+            raise RuntimeError(f"token ids up to {end} asked of a sequence whose host holds {known}")
         prompt = len(self.prompt_ids)
         if end <= prompt:
             return self.prompt_ids[start:end]
