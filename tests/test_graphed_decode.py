@@ -632,9 +632,9 @@ def test_the_layer_feed_publishes_only_the_real_rows_of_a_padded_step():
         real = {}  # iteration -> rows decoded
         decode = runner.decode
 
-        def counted(seqs, chunks=()):
+        def counted(seqs, chunks=(), **kwargs):
             real[runtime.iteration + 1] = len(seqs)
-            return decode(seqs, chunks)
+            return decode(seqs, chunks, **kwargs)
 
         runner.decode = counted
         seen = _Seen()

@@ -130,12 +130,12 @@ class SlowRunner:
         self.fail_when_queued = False  # raise once, on the first decode while a request waits
         engine.runner.decode = self  # this instance only; the class is untouched
 
-    def __call__(self, seqs, chunks=()):
+    def __call__(self, seqs, chunks=(), **kwargs):
         time.sleep(0.02)
         if self.fail_when_queued and self.engine.waiting:
             self.fail_when_queued = False
             raise RuntimeError("injected decode failure")
-        return self.decode(seqs, chunks)
+        return self.decode(seqs, chunks, **kwargs)
 
 
 @pytest.fixture(scope="module")
