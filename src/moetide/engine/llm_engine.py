@@ -282,9 +282,20 @@ class LLMEngine:
                           "fold": fold, "running": len(self.running),
                           "waiting": len(self.waiting)}  # fmt: skip
         if scheduled.decode and not scheduled.prefill and self._may_go_ahead(scheduled.decode):
-            return outputs + self._decode_ahead(scheduled.decode)
+            outputs += self._decode_ahead(scheduled.decode)
+        else:
+            outputs += self._run(scheduled, fold)
+        self.scheduler.drop_finished()  # their blocks are free for the next step's admissions
+        if not self.has_unfinished():  # idle: the last steps' observations reach metrics and policies
+            self.runner.flush()
+        return outputs
+
+    def _run(self, scheduled, fold: bool) -> list[StepOutput]:
+        """The scheduled decode (with `fold`, the prefill chunks as rows of it) and prefill forwards,
+        each step's tokens read before the next is scheduled."""
         if self._ahead is not None:  # _can_chain let only a step that goes ahead again through
             raise RuntimeError("a step was scheduled over tokens sampled ahead that it cannot take")
+        outputs: list[StepOutput] = []
         if scheduled.decode or fold:
             chunks = scheduled.prefill if fold else []
             logits = self.runner.decode(scheduled.decode, chunks)
@@ -300,9 +311,6 @@ class LLMEngine:
             ready, rows = self._chunks_computed(scheduled.prefill, self.runner.prefill(scheduled.prefill))
             if ready:
                 outputs += self._postprocess(ready, self._sample(ready, rows))
-        self.scheduler.drop_finished()  # their blocks are free for the next step's admissions
-        if not self.has_unfinished():  # idle: the last steps' observations reach metrics and policies
-            self.runner.flush()
         return outputs
 
     # -- decode ahead ----------------------------------------------------------------------------------
@@ -318,7 +326,7 @@ class LLMEngine:
         live = [s for s in self._ahead.seqs if not s.finished]
         if not live or (sched.waiting and len(sched.running) < sched.max_num_seqs):
             return False
-        if any(s.pending_tokens > 1 or not s.params.greedy for s in sched.running):
+        if any(s.pending_tokens > 1 for s in sched.running) or not self._may_go_ahead(sched.running):
             return False
         if self.blocks.num_available < len(sched.running):
             return False
@@ -346,23 +354,19 @@ class LLMEngine:
             self.scheduler.computed(seq, 1)
             seq.ahead = 1
         self._ahead = nxt if live else None  # rows of finished sequences only: nothing to read
-        self.scheduler.drop_finished()
         return outputs
 
     def _read_ahead(self) -> list[StepOutput]:
         """Read the tokens sampled ahead (waits for the step that sampled them) and postprocess them."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return []
-        tokens = ahead.read()
-        for seq in ahead.seqs:
-            seq.ahead = 0
-        return self._postprocess(ahead.seqs, tokens)
+        ahead = self._drop_ahead()
+        return self._postprocess(ahead.seqs, ahead.read()) if ahead is not None else []
 
-    def _drop_ahead(self) -> None:
+    def _drop_ahead(self) -> _Ahead | None:
+        """Forget the tokens sampled ahead (their sequences hold no unread token any more); returns them."""
         ahead, self._ahead = self._ahead, None
         for seq in ahead.seqs if ahead is not None else ():
             seq.ahead = 0
+        return ahead
 
     def _chunks_computed(
         self, chunks: list[tuple[Sequence, int]], logits: torch.Tensor

@@ -92,29 +92,31 @@ def child_entry() -> None:
     searcher_main(config, geometry, SharedRings(memory, *sizes), wake_fd, conn, state)
 
 
+def _handle_event(policy, rings: SharedRings, slot: int, errors: list, H: int, J: int) -> None:
+    """Hand the event in ring slot `slot` to `policy`; a failure is recorded, never raised."""
+    kind, it, layer, count = rings.ev_head[slot].tolist()
+    try:
+        if kind == KIND_BEGIN:
+            embedding = torch.from_numpy(rings.ev_data[slot, :H].copy())
+            policy._handle(("begin", it, embedding, count))
+        elif kind == KIND_LAYER:
+            policy._handle(("layer", it, layer, rings.ev_data[slot, :J].copy(), count))
+        else:
+            policy._handle(("end", it))
+    except Exception as e:  # noqa: BLE001 - a failed search must never take the engine down
+        errors.append(f"{type(e).__name__}: {e}")
+        if len(errors) <= 3:
+            traceback.print_exc(file=sys.stderr)
+
+
 def _handle_events(policy, rings: SharedRings, read: int, end: int, errors: list, H: int, J: int) -> int:
     """Hand the ring's events `read` .. `end` - 1 to `policy` in order (all dropped unread while
     `ctrl[PAUSED]` is set), advancing the read counter after each; returns `end`."""
     S = rings.sizes[0]
     while read < end:
         slot = read % S
-        kind, it, layer, count = rings.ev_head[slot].tolist()
-        if rings.ctrl[_PAUSED]:  # read and dropped (the forward side's cost alone is measured)
-            read += 1
-            rings.ctrl[_READ_SEQ] = read
-            continue
-        try:
-            if kind == KIND_BEGIN:
-                embedding = torch.from_numpy(rings.ev_data[slot, :H].copy())
-                policy._handle(("begin", it, embedding, count))
-            elif kind == KIND_LAYER:
-                policy._handle(("layer", it, layer, rings.ev_data[slot, :J].copy(), count))
-            else:
-                policy._handle(("end", it))
-        except Exception as e:  # noqa: BLE001 - a failed search must never take the engine down
-            errors.append(f"{type(e).__name__}: {e}")
-            if len(errors) <= 3:
-                traceback.print_exc(file=sys.stderr)
+        if not rings.ctrl[_PAUSED]:  # paused: read and dropped (the forward side's cost alone is measured)
+            _handle_event(policy, rings, slot, errors, H, J)
         read += 1
         rings.ctrl[_READ_SEQ] = read
     return read
