@@ -116,6 +116,8 @@ def candidates(num_tokens: int):
     if num_tokens <= 2:
         for bn, bk in itertools.product((16, 32, 64), (128, 256)):
             yield KernelConfig(1, bn, bk, 4, 2)
+        for w, s, bn in itertools.product((2, 8, 4), (3, 4, 2), (16, 32)):  # GEMV tiles: latency, not flops
+            yield KernelConfig(1, bn, 128, w, s)
         return
     if num_tokens <= 64:
         for bn, bk, s in itertools.product((64, 128, 32), (64, 128), (3, 2)):
@@ -129,6 +131,8 @@ def candidates(num_tokens: int):
         return
     for bm, bn, w in itertools.product((32, 64), (128, 64), (4, 8)):
         yield KernelConfig(bm, bn, 64, w, 3)
+    for bm, bn, w in itertools.product((32, 64), (128, 64), (4, 8)):  # v4 / v5: 16-wide dots of int2 fields
+        yield KernelConfig(bm, bn, 128, w, 3)
 
 
 def effective(config: KernelConfig, pool: Pool) -> tuple:

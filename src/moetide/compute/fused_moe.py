@@ -65,7 +65,7 @@ from .fused_moe_config import KernelConfig, config_for
 from ..residency.slot_table import MatrixFormat, Pool
 
 # The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix).
-PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4}
+PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4, "v4": 5, "v5": 6}
 PACKED_TILE = os.environ.get("MOETIDE_PACKED_TILE") or None  # set: every call's, for A/B runs
 if PACKED_TILE is not None and PACKED_TILE not in PACKED_TILES:
     raise ValueError(f"MOETIDE_PACKED_TILE must be one of {sorted(PACKED_TILES)}, got {PACKED_TILE!r}")
@@ -201,7 +201,7 @@ def _packed_product(
     MASK: tl.constexpr = (1 << BITS) - 1
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     INTERLEAVE: tl.constexpr = PACKED == 3
-    MAGIC: tl.constexpr = PACKED == 4
+    MAGIC: tl.constexpr = PACKED >= 4  # (v4 / v5 at GEMV tiles, whose codes are float32 anyway)
     packed, scale, offset, _offs_b, _b_mask = _packed_tile(
         data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, K, BITS,
         GROUP, BLOCK_K)  # fmt: skip
@@ -228,6 +228,92 @@ def _packed_product(
             dot += _mm(a2, _codes((packed >> 4) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
             dot += _mm(a3, _codes((packed >> 6) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
     return dot * scale[None, :] + a_sum * offset[None, :]
+
+
+@triton.jit
+def _paired_product(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, row_words, row_param, word_off,
+                    scale_off, offset_off, offs_n, n_mask, k0, K: tl.constexpr, BITS: tl.constexpr,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """`_packed_product` with two codes per integer op (v4, v5): (BLOCK_M, BLOCK_N) float32, or its
+    transpose (BLOCK_N, BLOCK_M) when SWAP.
+
+    The packed W is read as int32 words (`word_ptr`: the arena as int32, offsets in words), a word
+    holding 32 // BITS consecutive codes of one column. One shift and one mask take field c of the
+    word's bytes 0 and 2 (c < per_byte) or 1 and 3 at once, into the low and high halves; ORed into
+    the mantissa of 128 (bf16; fp16: 1024) each half is the bf16 of 128 + code, with no conversion
+    and no subtraction: the constant is folded into the offset, s (a . (c + 128)) + (o - 128 s) sum(a).
+    Field c of word j, half h, is element k = j * W + h * W / 2 + c (W = codes per word); the halves
+    are joined along the column (index 2j + h) and dotted with that strided slice of a, loaded from
+    memory per field. SWAP (v5) computes W_tile @ a^T, so that the unpacked codes are the
+    instruction's first operand (kept in registers) and the few token rows its narrow second one.
+    bf16 / fp16 activations only (`_paired_codes`)."""
+    WORD: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = WORD // 2
+    PER_BYTE: tl.constexpr = 8 // BITS
+    WORDS_K: tl.constexpr = BLOCK_K // WORD
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    dtype = a_ptr.dtype.element_ty
+    BF16: tl.constexpr = dtype == tl.bfloat16
+    tl.static_assert(BF16 or dtype == tl.float16, "v4 / v5 take bf16 or fp16 activations (`_paired_codes`)")
+    offs_w = k0 // WORD + tl.arange(0, WORDS_K)
+    w_ptrs = word_ptr + row * row_words + word_off + offs_n[:, None] * (K // WORD) + offs_w[None, :]
+    words = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_w < K // WORD)[None, :], other=0)  # (BLOCK_N, WORDS_K)
+    params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
+    scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)
+    offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)
+    m = tl.arange(0, 2 * WORDS_K)
+    k_of_m = k0 + (m // 2) * WORD + (m % 2) * HALF  # element of field 0 at joined index m
+    acc = _accumulator(BLOCK_M, BLOCK_N, SWAP)
+    a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for c in tl.static_range(HALF):
+        w_t = _code_pairs(words >> (8 * (c // PER_BYTE) + BITS * (c % PER_BYTE)), BITS, BF16)  # [n, 2j + h]
+        k = k_of_m + c
+        if SWAP:
+            a_t = tl.load(a_ptr + a_rows[None, :] * stride_a + k[:, None],
+                          mask=a_mask[None, :] & (k < K)[:, None], other=0.0)  # fmt: skip
+            acc += _mm(w_t, a_t, BLOCK_N, DOT_PRECISION)
+            a_sum += tl.sum(a_t.to(tl.float32), axis=0)
+        else:
+            a_c = tl.load(a_ptr + a_rows[:, None] * stride_a + k[None, :],
+                          mask=a_mask[:, None] & (k < K)[None, :], other=0.0)  # fmt: skip
+            acc += _mm(a_c, tl.trans(w_t), BLOCK_M, DOT_PRECISION)
+            a_sum += tl.sum(a_c.to(tl.float32), axis=1)
+    if BF16:
+        offset = offset - 128.0 * scale
+    else:
+        offset = offset - 1024.0 * scale
+    if SWAP:
+        return acc * scale[:, None] + offset[:, None] * a_sum[None, :]
+    else:
+        return acc * scale[None, :] + a_sum[:, None] * offset[None, :]
+
+
+@triton.jit
+def _code_pairs(words, BITS: tl.constexpr, BF16: tl.constexpr):
+    """Words (N, Wk) int32, shifted so that the wanted field of bytes 0 / 1 sits at bit 0 and that of
+    bytes 2 / 3 at bit 16 -> (N, 2 Wk) bf16 (BF16) or fp16 of 128 + code (1024 + code), joined index
+    2j + h for half h of word j: one mask and one OR for two codes, then the halves reinterpreted."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pair = words & (MASK | (MASK << 16))
+    if BF16:
+        pair = pair | 0x43004300
+        lo = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        pair = pair | 0x64006400
+        lo = pair.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+
+
+@triton.jit
+def _accumulator(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """A zero float32 tile: (BLOCK_M, BLOCK_N), or transposed (the SWAP products of v5)."""
+    if SWAP:
+        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
@@ -287,7 +373,10 @@ def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_
             while (tl.load(landed_ptr + row, volatile=True) != want) & (spins < WAIT_SPINS):
                 spins += 1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ptr + offs_m)
+    if BLOCK_M == 1:  # GEMV tiles: program = pair, its expert the router's id (`align_pairs`)
+        pair = offs_m
+    else:
+        pair = tl.load(sorted_pair_ptr + offs_m)
     return runs, row, offs_m.to(tl.int64), pair.to(tl.int64), pair < num_pairs
 
 
@@ -333,11 +422,20 @@ def _gate_up_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
         token = pair // TOP_K
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        PAIRS: tl.constexpr = BITS < 8 and PACKED >= 5 and BLOCK_M > 1  # v4 / v5 (GEMV tiles: v3)
+        SWAP: tl.constexpr = PAIRS and PACKED == 6
+        acc_gate = _accumulator(BLOCK_M, BLOCK_N, SWAP)
+        acc_up = _accumulator(BLOCK_M, BLOCK_N, SWAP)
         dtype = x_ptr.dtype.element_ty
         for k0 in range(0, HIDDEN, BLOCK_K):
-            if BITS < 8 and PACKED > 1:  # v2 / v2i / v3: one activation tile and its row sums for gate and up
+            if PAIRS:
+                acc_gate += _paired_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
+                                            row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, HIDDEN,
+                                            BITS, GROUP, BLOCK_M, BLOCK_K, SWAP, DOT_PRECISION)  # fmt: skip
+                acc_up += _paired_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
+                                          row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask, k0,
+                                          HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K, SWAP, DOT_PRECISION)  # fmt: skip
+            elif BITS < 8 and PACKED > 1:  # v2 / v2i / v3: one activation tile and its row sums for gate and up
                 a, a_sum = _act_tile(x_ptr, token, stride_x, m_mask, k0, HIDDEN, BLOCK_K)
                 acc_gate += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
                                             scale_off, offset_off, offs_n, n_mask, k0, HIDDEN, BITS, GROUP,
@@ -353,6 +451,9 @@ def _gate_up_kernel(
                 acc_up += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
                                         row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask,
                                         k0, HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        if SWAP:
+            acc_gate = tl.trans(acc_gate)
+            acc_up = tl.trans(acc_up)
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
         h_ptrs = h_ptr + offs_m[:, None] * INTER + offs_n[None, :]
         tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
@@ -398,9 +499,15 @@ def _down_kernel(
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < HIDDEN
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        PAIRS: tl.constexpr = BITS < 8 and PACKED >= 5 and BLOCK_M > 1
+        SWAP: tl.constexpr = PAIRS and PACKED == 6
+        acc = _accumulator(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(0, INTER, BLOCK_K):
-            if BITS < 8 and PACKED > 1:
+            if PAIRS:
+                acc += _paired_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param,
+                                       data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP,
+                                       BLOCK_M, BLOCK_K, SWAP, DOT_PRECISION)  # fmt: skip
+            elif BITS < 8 and PACKED > 1:
                 a, a_sum = _act_tile(h_ptr, offs_m, INTER, m_mask, k0, INTER, BLOCK_K)
                 acc += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
                                        scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP, BLOCK_M,
@@ -409,50 +516,104 @@ def _down_kernel(
                 acc += _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data,
                                      row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER,
                                      BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
+        if SWAP:
+            acc = tl.trans(acc)
         weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
         y_ptrs = y_ptr + pair[:, None] * HIDDEN + offs_n[None, :]
         tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
+                  EXPERTS_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """`align_pairs` in one program: a counting sort of the pairs by expert, stable.
+
+    Pass 1 counts each expert's pairs (one-hot rows of CHUNK pairs, summed), pads them to BLOCK_M and
+    takes their prefix sums: expert e's rows are [ends[e] - padded[e], ends[e]). A block's expert is
+    the number of ends at or before its first row. Pass 2 gives each pair its rank among its expert's
+    pairs (a running count plus a prefix sum down the chunk) and stores it at its expert's start +
+    rank, over rows first filled with the sentinel `num_pairs`."""
+    experts = tl.arange(0, EXPERTS_P2)
+    for r0 in range(0, ROWS, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        tl.store(sorted_pair_ptr + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=rows < ROWS)
+    counts = tl.zeros((EXPERTS_P2,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    NUM_BLOCKS: tl.constexpr = ROWS // BLOCK_M
+    for b0 in range(0, NUM_BLOCKS, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(expert < NUM_EXPERTS, expert, -1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < NUM_BLOCKS)
+    tl.debug_barrier()  # the sentinel rows are written before any pair lands
+    running = tl.zeros((EXPERTS_P2,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        offs = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # (CHUNK, EXPERTS_P2)
+        rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + running[None, :]), axis=1)
+        dest = tl.sum(onehot * starts[None, :], axis=1) + rank
+        tl.store(sorted_pair_ptr + dest, offs, mask=offs < num_pairs)
+        running += tl.sum(onehot, axis=0)
+
+
+def aligned_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The static bound on `align_pairs`' rows: P + min(E, P) * (block_m - 1), rounded up to block_m."""
+    return -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sort the (token, expert) pairs into blocks of `block_m` rows, each block one expert.
 
     topk_ids (T, k) -> (sorted_pair (R,) int32: pair id t*k + j at each row, P where padding;
-    block_expert (R // block_m,) int32: each block's expert, -1 past the last block). R is the
-    static bound P + min(E, P) * (block_m - 1), rounded up to block_m, so shapes depend on T only
-    (graph capture) and nothing is read back on the host. block_m == 1: no sort, every pair is a
-    block."""
-    flat = topk_ids.reshape(-1)
-    num_pairs = flat.numel()
-    device = flat.device
+    block_expert (R // block_m,) int32: each block's expert, -1 past the last block). R is
+    `aligned_rows(P, E, block_m)`, so shapes depend on T only (graph capture) and nothing is read
+    back on the host; one launch (`_align_kernel`), pairs of one expert in pair order. block_m == 1:
+    no sort, every pair is its own block and both are the flat ids, which the kernels read as such."""
+    flat = topk_ids.reshape(-1).contiguous()
     if block_m == 1:
-        return torch.arange(num_pairs, device=device, dtype=torch.int32), flat.to(torch.int32)
-    flat = flat.to(torch.int64)
-    counts = torch.zeros(num_experts, device=device, dtype=torch.int64)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)
-    sorted_expert = flat.index_select(0, order)
-    first_of_expert = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_pairs, device=device) - first_of_expert.index_select(0, sorted_expert)
-    dest = (ends - padded).index_select(0, sorted_expert) + rank
-    rows = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
-    sorted_pair = torch.full((rows,), num_pairs, device=device, dtype=torch.int32)
-    sorted_pair.scatter_(0, dest, order.to(torch.int32))
-    block_start = torch.arange(0, rows, block_m, device=device, dtype=torch.int64)
-    block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+        return flat, flat
+    num_pairs = flat.numel()
+    rows = aligned_rows(num_pairs, num_experts, block_m)
+    sorted_pair = torch.empty(rows, device=flat.device, dtype=torch.int32)
+    block_expert = torch.empty(rows // block_m, device=flat.device, dtype=torch.int32)
+    experts_p2 = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](flat, sorted_pair, block_expert, num_pairs, NUM_EXPERTS=num_experts,
+                        EXPERTS_P2=experts_p2, ROWS=rows, BLOCK_M=block_m,
+                        CHUNK=max(16, min(256, 16384 // experts_p2)), num_warps=8)  # fmt: skip
     return sorted_pair, block_expert
+
+
+@triton.jit
+def _reduce_kernel(y_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum_j y[t * k + j] (float32, in j order), stored in out's dtype: grid (T, H / BLOCK)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + cols, mask=cols < HIDDEN, other=0.0)
+    tl.store(out_ptr + t * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HIDDEN)
 
 
 def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, config, packed_tile: str,
                    **args):  # fmt: skip
     """One launch of `kernel` over `pool`'s rows for one projection (`matrix`), its tiles from `config`
     and, if packed, its tile product from `packed_tile` (a `PACKED_TILES` name)."""
-    data = pool.data_view(matrix)
+    data, data_off = pool.data_view(matrix), matrix.data_offset
     params = pool.param_view()
     block_k = config.block_k if not matrix.packed else min(config.block_k, matrix.group_size)
+    if matrix.packed and PACKED_TILES[packed_tile] >= 5 and config.block_m > 1:
+        act = (args.get("x_ptr") if "x_ptr" in args else args["h_ptr"]).dtype
+        if _paired_codes(act) and pool.arena.shape[1] % 4 == 0 and data_off % 4 == 0:
+            data, data_off = pool.arena.view(torch.int32), data_off // 4  # v4 / v5 read int32 words
+        else:
+            packed_tile = "v3"
     kernel[grid](
         **args,
         POOL_ID=pool_id,
@@ -460,7 +621,7 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
         param_ptr=params,
         row_data=data.stride(0),
         row_param=params.stride(0),
-        data_off=matrix.data_offset,
+        data_off=data_off,
         scale_off=matrix.scale_offset,
         offset_off=matrix.offset_offset,
         BITS=matrix.bits,
@@ -471,6 +632,12 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def _paired_codes(dtype: torch.dtype) -> bool:
+    """v4 / v5 take bf16 and fp16 activations (codes set into a mantissa); float32 ones take v3, and so
+    does bf16 under the interpreter (whose bf16 arithmetic is wrong)."""
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and not _WIDEN_DOT)
 
 
 def _fit_packed_tiles(config: KernelConfig, pools: list[Pool | None]) -> KernelConfig:
@@ -549,4 +716,6 @@ def fused_moe(
         _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
                        f.down, config, packed_tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
                        **common)  # fmt: skip
-    return y.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+    out = torch.empty_like(hidden)
+    _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, 1024))](y, out, TOP_K=top_k, HIDDEN=hidden_size, BLOCK=1024)
+    return out

@@ -111,14 +111,17 @@ def _handle_event(policy, rings: SharedRings, slot: int, errors: list, H: int, J
 
 def _handle_events(policy, rings: SharedRings, read: int, end: int, errors: list, H: int, J: int) -> int:
     """Hand the ring's events `read` .. `end` - 1 to `policy` in order (all dropped unread while
-    `ctrl[PAUSED]` is set), advancing the read counter after each; returns `end`."""
+    `ctrl[PAUSED]` is set), advancing the read counter after each but the last; returns `end`. The
+    caller advances it past the last once the counters are published, so that a reader who saw
+    every event read (`SearcherProcess.drain`) also sees their counters."""
     S = rings.sizes[0]
     while read < end:
         slot = read % S
         if not rings.ctrl[_PAUSED]:  # paused: read and dropped (the forward side's cost alone is measured)
             _handle_event(policy, rings, slot, errors, H, J)
         read += 1
-        rings.ctrl[_READ_SEQ] = read
+        if read < end:
+            rings.ctrl[_READ_SEQ] = read
     return read
 
 
@@ -180,3 +183,4 @@ def searcher_main(config, geometry, rings: SharedRings, wake_fd: int, conn, stat
             store_size=len(policy.store) if policy.store is not None else 0,
         )
         rings.ctrl[_C0:_CTRL] = [counters[k] for k in _COUNTERS]
+        rings.ctrl[_READ_SEQ] = read  # after the counters: see `_handle_events`

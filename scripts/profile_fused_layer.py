@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Where one MoE layer's time goes: every kernel of a `fused_moe` call (align, launches, reduce), from
+the CUDA profiler, per (format, T), on the OLMoE shape with the committed tiles.
+
+    python scripts/profile_fused_layer.py --out out/layer_kernels.json [--tokens 1,8] [--formats int2,int4,bfloat16]
+
+Each call is run `--reps` times under torch.profiler; per kernel name the mean device microseconds per
+call are reported, with their sum and the graph-replayed wall time of the call (as the tuner times it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tune_fused_moe import SHAPES, layer_inputs, make_pool, time_layer  # noqa: E402
+
+from moetide.compute import fused_moe as fm  # noqa: E402
+
+
+def kernel_times(pool, inputs, reps: int) -> dict[str, float]:
+    x, ids, weights, pool_of, slot_of = inputs
+    call = lambda: fm.fused_moe(x, ids, weights, pool_of, slot_of, [pool])  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us and event.count >= reps:
+            times[event.key[:80]] = round(device_us / reps, 2)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--formats", default="int2,int4,bfloat16")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    hidden, inter, experts, top_k = SHAPES[args.shape]
+    rows = []
+    for fmt in args.formats.split(","):
+        pool = make_pool(fmt, hidden, inter, experts)
+        for t in (int(v) for v in args.tokens.split(",")):
+            inputs = layer_inputs(t, hidden, experts, top_k)
+            config = fm.config_for(t, hidden, inter, pool.format.name)
+            graph_us, _ = time_layer(pool, inputs, config, config.packed_tile)
+            kernels = kernel_times(pool, inputs, args.reps)
+            rows.append({"format": fmt, "tokens": t, "config": vars(config), "graph_us": round(graph_us, 2),
+                         "kernels_us": kernels, "kernels_sum_us": round(sum(kernels.values()), 2)})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
