@@ -26,7 +26,7 @@ from moetide.compute.fused_moe_config import KernelConfig, config_for, default_c
 from moetide.residency.slot_table import NOT_RESIDENT, Pool, dense_format, packed_format
 from moetide.store import quant
 
-MIN_INTERPRETER_PASSES = 42
+MIN_INTERPRETER_PASSES = 55
 
 
 @pytest.fixture(scope="module")
