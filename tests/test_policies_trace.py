@@ -421,6 +421,10 @@ def test_the_searcher_process_starts_with_the_engine_and_ends_with_it():
     assert feed is None or feed.idle(60)
     assert policy.drain(timeout_s=60)
     stats = policy.stats()
+    deadline = time.monotonic() + 30  # the counters are published after the child handled a batch
+    while stats["store_size"] < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = policy.stats()
     assert stats["searcher"] == "process" and stats["dropped_events"] == 0 and stats["errors"] == 0
     assert stats["store_size"] == 8  # one map per step (prefill + 7 decode steps)
     llm.close()
