@@ -66,25 +66,38 @@ def install(kinds: collections.Counter, evicted_by: dict) -> None:
     core.ResidencyManager._take_slot_in_step = evict_in_step
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def replay_parser(description: str) -> argparse.ArgumentParser:
+    """The options every CPU trace-replay diagnostic takes (also `scripts/trace_uses.py`'s)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--trace", required=True)
     ap.add_argument("--policy", default="finemoe")
     ap.add_argument("--prefetch-distance", type=int, default=1)
     ap.add_argument("--gpu-memory", default="25%")
     ap.add_argument("--trace-warmup", type=int, default=16)
+    return ap
+
+
+def run_replay(args, **spec_args) -> dict:
+    """One CPU replay of `args.trace` for `args.policy` (the engine as patched in this process): its
+    bench row. `spec_args`: further `BenchSpec` fields."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = BenchSpec(device="cpu", policies=[args.policy], gpu_memory=[args.gpu_memory], trace=args.trace,
+                         trace_warmup=args.trace_warmup, out=tmp, prefetch_distance=args.prefetch_distance,
+                         **spec_args)  # fmt: skip
+        row = run_sweep(spec, progress=False)["runs"][0]
+    if row.get("error"):
+        raise SystemExit(f"the replay failed: {row['error']}")
+    return row
+
+
+def main() -> None:
+    ap = replay_parser(__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="write the counts here (JSON)")
     args = ap.parse_args()
     kinds: collections.Counter = collections.Counter()
     install(kinds, {})
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = BenchSpec(model=args.model, device="cpu", policies=[args.policy], gpu_memory=[args.gpu_memory],
-                         trace=args.trace, trace_warmup=args.trace_warmup, out=tmp,
-                         prefetch_distance=args.prefetch_distance)  # fmt: skip
-        row = run_sweep(spec, progress=False)["runs"][0]
-    if row.get("error"):
-        raise SystemExit(f"the replay failed: {row['error']}")
+    row = run_replay(args, model=args.model)
     total = sum(kinds.values())
     print(f"{args.policy} d={args.prefetch_distance}: measured hit rate {row['hit_rate']}; {total} uses read")
     for kind, n in kinds.most_common():

@@ -13,21 +13,24 @@ engine (a device table) and on the in-step one before it (`acquire` per layer).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
-import tempfile
 import threading
 import time
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from moetide.bench import replay
-from moetide.bench.sweep import BenchSpec, run_sweep
 from moetide.compute import runtime as rt
 from moetide.residency import core
 from moetide.residency.metrics import ExpertMetrics
+
+sys.path.insert(0, str(Path(__file__).parent))
+from classify_misses import replay_parser, run_replay  # noqa: E402
 
 MISS_KINDS = ("miss:never", "miss:evicted between", "miss:evicted in step", "miss:parked",
               "miss:in flight", "miss:stale")  # fmt: skip
@@ -293,12 +296,7 @@ def _wait_for_feed() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", required=True)
-    ap.add_argument("--policy", default="finemoe")
-    ap.add_argument("--prefetch-distance", type=int, default=1)
-    ap.add_argument("--gpu-memory", default="25%")
-    ap.add_argument("--trace-warmup", type=int, default=16)
+    ap = replay_parser(__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the log (.npz)")
     ap.add_argument("--searcher", default=None, help="FineMoE's searcher for this run (e.g. inline)")
     ap.add_argument("--switch-s", type=float, default=None, help="the layer feed's thread switch interval")
@@ -317,13 +315,7 @@ def main() -> None:
         _force_searcher(args.searcher)
     install_common(log)
     (install_sync_free if hasattr(core.ResidencyManager, "in_step") else install_in_step)(log)
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = BenchSpec(device="cpu", policies=[args.policy], gpu_memory=[args.gpu_memory], trace=args.trace,
-                         trace_warmup=args.trace_warmup, out=tmp, prefetch_distance=args.prefetch_distance,
-                         wait_for_copies=args.wait_for_copies)  # fmt: skip
-        row = run_sweep(spec, progress=False)["runs"][0]
-    if row.get("error"):
-        raise SystemExit(f"the replay failed: {row['error']}")
+    row = run_replay(args, wait_for_copies=args.wait_for_copies)
     save(log, args.out, row)
     first = -1 if log.reset_step is None else log.reset_step
     kinds = collections.Counter(KINDS[int(u[4])] for u in log.uses if u[0] > first)

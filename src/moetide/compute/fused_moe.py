@@ -10,23 +10,24 @@ H hidden, I expert intermediate.
                            pool; see `slot_table`)
 
 Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed T):
-  align     pairs sorted by expert into blocks of BLOCK_M rows, each block one expert
-            (`align_pairs`, after vLLM's `moe_align_block_size`); at BLOCK_M == 1 every pair is
-            its own block and nothing is sorted (decode of a few tokens: GEMV tiles).
+  align     pairs sorted by expert into blocks of BLOCK_M rows, each block one expert, by one
+            program (`align_pairs`, a counting sort after vLLM's `moe_align_block_size`); at
+            BLOCK_M == 1 every pair is its own block and the kernels read the router's ids as
+            they are (decode of a few tokens: GEMV tiles).
   gate_up   per pool, grid (blocks, cdiv(I, BLOCK_N)): h = silu(x @ Wg^T) * (x @ Wu^T) into a
             (padded pairs, I) scratch. Blocks whose expert lives in another pool exit at once.
   down      per pool, grid (blocks, cdiv(H, BLOCK_N)): y[pair] = w[pair] * (h @ Wd^T), float32.
-  reduce    out = y.view(T, k, H).sum(1): deterministic, no atomics.
+  reduce    out[t] = sum_j y[t * k + j] in float32, cast to the activations' dtype, one kernel
+            (`_reduce_kernel`): deterministic, no atomics.
 
 Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
 tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
 gptq/awq kernel). A K-tile of a packed matrix lies inside one group, so each output column has one
-float16 scale s and offset o per tile. Four tile products, picked per (T bucket, format) by the
+float16 scale s and offset o per tile. Six tile products, picked per (T bucket, format) by the
 tile table (`KernelConfig.packed_tile`), or for every call by MOETIDE_PACKED_TILE, or per call
 (`fused_moe(packed_tile=...)`); measured against each other on the H200 (`scripts/tune_fused_moe.py
---variants`, BENCHMARKS.md), the table picks v3 at T = 32 (int4 and int2, with tiles tuned for it)
-and for int4 at T = 128, v2 where it beat v1 (int2 at T = 1 and 128) and v1 elsewhere; v2i was never
-clearly faster and stays for comparison only:
+--variants`, BENCHMARKS.md §0d, §0f), the table picks each cell's fastest (`fused_moe_configs.json`);
+v2i was never clearly faster and stays for comparison only:
   v1   every weight dequantized in float32 (c * s + o) and rounded to the activation dtype, each bit
        field dotted with its strided slice of the activations, loaded from memory once per field
        (`_tile_product`): the reference's rounding.
@@ -40,7 +41,12 @@ clearly faster and stays for comparison only:
        its bits ORed into the mantissa of a power of two, which is then subtracted). On the H200
        it beat v2 in 6 of 8 int4/int2 cells; with v1's tiles v1 still led for int4 at T = 1 to 32
        and int2 at T = 8, with its own tiles v3 led at T = 32 (int4 261 against 293 us).
-v2, v2i and v3 round no weight: their results differ from the reference (which rounds the dequantized
+  v4   as v3, two codes per mask and OR: int32 word loads, a field of two bytes set into the
+       mantissas of a bf16 / fp16 pair at once, the constant folded into the offset
+       (`_paired_product`); the table's for int2 at T = 8. bf16 / fp16 activations only (others v3).
+  v5   as v4, computing W_tile @ a^T (the unpacked codes as the MMA's first operand); the table's
+       for int2 at T = 32 and 128. At GEMV tiles v4 and v5 are v3.
+v2 to v5 round no weight: their results differ from the reference (which rounds the dequantized
 weights to the activation dtype before its matmul) by that rounding, ~2^-9 relative per weight for
 bf16 activations, none for float32. The GEMV tiles (BLOCK_M 1) follow the same switch, in float32.
 gate_up and down each carry their own format, so one expert version may hold int2 gate_up with int4
@@ -609,8 +615,7 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
     params = pool.param_view()
     block_k = config.block_k if not matrix.packed else min(config.block_k, matrix.group_size)
     if matrix.packed and PACKED_TILES[packed_tile] >= 5 and config.block_m > 1:
-        act = (args.get("x_ptr") if "x_ptr" in args else args["h_ptr"]).dtype
-        if _paired_codes(act) and pool.arena.shape[1] % 4 == 0 and data_off % 4 == 0:
+        if _paired_codes(args["h_ptr"].dtype) and pool.arena.shape[1] % 4 == 0 and data_off % 4 == 0:
             data, data_off = pool.arena.view(torch.int32), data_off // 4  # v4 / v5 read int32 words
         else:
             packed_tile = "v3"
