@@ -421,15 +421,15 @@ def test_the_searcher_process_starts_with_the_engine_and_ends_with_it():
     assert feed is None or feed.idle(60)
     assert policy.drain(timeout_s=60)
     stats = policy.stats()
-    deadline = time.monotonic() + 30  # the counters are published after the child handled a batch
-    while stats["store_size"] < 8 and time.monotonic() < deadline:
-        time.sleep(0.05)
-        stats = policy.stats()
+    # one map per step the feed published whole (prefill + 7 decode steps, but the feed cuts a step
+    # that overtakes it, as under a loaded CPU: the device never waits, and a cut step stores no map)
+    whole = feed.steps_seen if feed is not None else 8
+    assert 1 <= whole <= 8
     assert stats["searcher"] == "process" and stats["dropped_events"] == 0 and stats["errors"] == 0
-    assert stats["store_size"] == 8  # one map per step (prefill + 7 decode steps)
+    assert stats["store_size"] == whole
     llm.close()
     assert not process.alive and policy._process is None
-    assert len(policy.store) == 8
+    assert len(policy.store) == whole
 
 
 def test_a_searcher_process_that_dies_leaves_the_engine_serving_and_says_so():
