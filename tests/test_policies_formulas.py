@@ -194,6 +194,16 @@ def test_ema_arithmetic():
     assert s.scores[0].tolist() == pytest.approx([0.81, 1.8, 0.0, 0.0])
 
 
+def test_a_whole_step_counts_what_its_layers_count_one_by_one():
+    """`observe_step` (the engine's step-late publication): one bincount over every layer."""
+    ids = torch.randint(0, 4, (3, 5, 2), generator=torch.Generator().manual_seed(0))
+    by_layer, whole = _sched(L=3)[0], _sched(L=3)[0]
+    for layer in range(3):
+        by_layer.observe_layer(0, layer, None, ids[layer])
+    whole.observe_step(0, torch.zeros(3, 4), ids)
+    assert by_layer.counts.sum() == 30 and torch.equal(whole.counts, by_layer.counts)
+
+
 def test_tick_is_time_based():
     s, _ = _sched(update_interval_s=2.0)
     assert s.tick(10.0) == [] and s.updates == 0  # starts the clock

@@ -319,12 +319,22 @@ class ObservationLog:
         pass
 
 
+class WholeStepLog(ObservationLog):
+    """An `ObservationLog` that takes each step whole (`observe_step`), as the engine's policies do."""
+
+    def observe_step(self, iteration, gate_probs, topk_ids):
+        assert gate_probs.dim() == 2 and topk_ids.dim() == 3 and len(gate_probs) == len(topk_ids)
+        for layer in range(len(gate_probs)):
+            self.events.append(("layer", layer, gate_probs[layer].clone(), topk_ids[layer].clone()))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("policy", ["combined", "no-offload"])
 def test_observations_published_after_the_runtimes_sync_equal_the_eager_ones(policy, device):
     """With the engine's runtime, a step is published one step late from the host copy of its device
     buffers (for every policy: no host sync in the step); every policy still sees the same layers, in
-    the same order, with the same gate probabilities and ids as eager hooks."""
+    the same order, with the same gate probabilities and ids as eager hooks, whether it takes the
+    step layer by layer or whole (`observe_step`: one softmax and one cast for every layer)."""
     import moetide
 
     budget = "0.5GiB" if policy == "combined" else None  # combined: host syncs; no-offload: none
@@ -334,9 +344,9 @@ def test_observations_published_after_the_runtimes_sync_equal_the_eager_ones(pol
             llm.loaded.policy_hooks.remove()
         params = moetide.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         # both observers on the same forward passes: what they publish must be the same numbers
-        deferred, eager = ObservationLog(), ObservationLog()
+        deferred, whole, eager = ObservationLog(), WholeStepLog(), ObservationLog()
         hooks = [
-            PolicyHooks(llm.loaded.model, llm.loaded.adapter, [deferred], runtime=llm.loaded.runtime),
+            PolicyHooks(llm.loaded.model, llm.loaded.adapter, [deferred, whole], runtime=llm.loaded.runtime),
             PolicyHooks(llm.loaded.model, llm.loaded.adapter, [eager]),
         ]
         try:
@@ -348,8 +358,8 @@ def test_observations_published_after_the_runtimes_sync_equal_the_eager_ones(pol
     finally:
         llm.close()
     layers = len(llm.loaded.moe_layers)
-    assert len(deferred.events) == len(eager.events) == 6 * (layers + 2)
-    for got, want in zip(deferred.events, eager.events, strict=True):
+    assert len(deferred.events) == len(whole.events) == len(eager.events) == 6 * (layers + 2)
+    for got, want in [*zip(deferred.events, eager.events, strict=True), *zip(whole.events, eager.events)]:
         assert got[:2] == want[:2]
         if got[0] == "layer":
             # the same logits, soft-maxed on the host (deferred) or on the device (eager)
@@ -533,6 +543,41 @@ def test_the_searcher_process_decides_what_the_inline_handler_decides():
                 policy.end_iteration(s)
                 assert policy.drain(timeout_s=60)
             assert policy.stats()["late_skipped"] == 0 and not policy.errors
+        finally:
+            policy.close()
+        calls[searcher], stores[searcher] = sink.calls, policy.store
+    assert len(calls["inline"]) > 0 and calls["process"] == calls["inline"]
+    assert len(stores["process"]) == len(stores["inline"])
+    last = len(stores["inline"]) - 1
+    torch.testing.assert_close(stores["process"].map(last), stores["inline"].map(last))
+
+
+def test_a_whole_step_published_at_once_decides_what_its_layers_published_one_by_one_decide():
+    """The engine publishes a finished step whole (`observe_step`): the searcher process gets its L
+    layer events in one ring write, every layer's distinct experts counted at once. In the engine's
+    step-late mode (lookahead 1), prefill steps included, the sink calls and priorities and the
+    store's inserts equal those of the inline handler fed layer by layer."""
+    warm = synthetic_trace([0, 1, 2, 3], decode_steps=8)
+    meta = warm.meta
+    assert any(warm.step(s).num_tokens > 1 for s in range(len(warm)))  # distinct counts matter
+    calls, stores = {}, {}
+    for searcher in ("inline", "process"):
+        policy = FineMoEPolicy(prefetch_distance=1, searcher=searcher, lookahead=1)
+        sink = RecordingSink()
+        policy.attach(sink, meta.num_layers, meta.num_experts, meta.top_k)
+        policy.warm_up(warm.select_requests([0, 1]))
+        try:
+            for s in range(len(warm)):
+                step = warm.step(s)
+                policy.begin_iteration(s, step.embedding, step.num_tokens)
+                if searcher == "process":
+                    policy.observe_step(s, step.gate_probs, step.topk_ids.transpose(0, 1).contiguous())
+                else:
+                    for layer in range(meta.num_layers):
+                        policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+                policy.end_iteration(s)
+                assert policy.drain(timeout_s=60)
+            assert policy.stats()["dropped_events"] == 0 and not policy.errors
         finally:
             policy.close()
         calls[searcher], stores[searcher] = sink.calls, policy.store

@@ -316,6 +316,8 @@ def test_in_the_lo_plus_hi_mode_a_prefetch_brings_the_precision_the_precision_po
     assert copies == 1 and manager.metrics.promotions == 1
     manager.prefetch(1, [2, 3], iteration=1)  # target lo, lo resident: nothing to move
     manager.prefetch(2, [1], iteration=1)
+    manager._drain_requests()
+    assert not manager._prefetch_queue  # (not even queued: most of a busy step's requests)
     run_forward(manager, 0, [0], x)
     assert manager.metrics.copies == copies
     assert all("hi" not in manager.handles[l][e].versions for l, e in ((1, 2), (1, 3), (2, 1)))

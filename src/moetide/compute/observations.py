@@ -44,9 +44,10 @@ HOST_SLOTS = 4  # pinned copies in flight at once (a record is read at most a fe
 
 
 def softmax_mean(logits: np.ndarray) -> np.ndarray:
-    """(T, E) router logits -> (E,) float32: the mean over tokens of their softmax."""
+    """(..., T, E) router logits -> (..., E) float32: the mean over tokens of their softmax (one
+    call for every layer of a step: `(L, T, E) -> (L, E)`)."""
     e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return (e / e.sum(axis=-1, keepdims=True)).mean(axis=0).astype(np.float32)
+    return (e / e.sum(axis=-1, keepdims=True)).mean(axis=-2).astype(np.float32)
 
 
 @dataclass
@@ -65,9 +66,10 @@ class StepRecord:
     num_experts: int = 0
     context: object = None  # what the runtime attached at the step's start (its table snapshot)
 
-    def gate_probs(self, layer: int) -> np.ndarray:
-        """Mean softmax over the step's tokens of layer `layer`'s router logits: (E,) float32."""
-        return softmax_mean(self.logits[layer])
+    def gate_probs(self, layer: int | None = None) -> np.ndarray:
+        """Mean softmax over the step's tokens of layer `layer`'s router logits: (E,) float32; of
+        every layer when `layer` is None: (L, E)."""
+        return softmax_mean(self.logits if layer is None else self.logits[layer])
 
     def ran_from(self) -> np.ndarray:
         """(L, E) int32: the pool each expert of each layer ran from in this step, -2 where no token

@@ -115,7 +115,9 @@ class ExpertPolicy(Protocol):
 
     def attach(self, sink: ExpertSink, num_layers: int, num_experts: int, top_k: int) -> None: ...
 
-    # optional: `prepare(hidden_size)`, called once after `attach` (see `PolicyBase.prepare`)
+    # optional: `prepare(hidden_size)`, called once after `attach` (see `PolicyBase.prepare`), and
+    # `observe_step(iteration, gate_probs (L, J), topk_ids (L, T, k))`, a whole step in place of its
+    # `observe_layer` calls (see `PolicyBase.observe_step`)
 
     def begin_iteration(
         self, iteration: int, embedding: torch.Tensor, num_tokens: int, request_ids: Sequence[int] = ()
@@ -171,6 +173,14 @@ class PolicyBase:
 
     def observe_speculative(self, iteration: int, layer: int, distance: int, topk_ids: torch.Tensor) -> None:
         pass
+
+    def observe_step(self, iteration: int, gate_probs: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """Every MoE layer of a step that has run, at once (the engine publishes a step after it ran,
+        for policies without `speculative_distances`): `gate_probs (L, J)`, `topk_ids (L, T, k)`.
+        By default `observe_layer` for each layer in order; policies override it with one batched
+        update (the engine's host part of a step)."""
+        for layer in range(gate_probs.shape[0]):
+            self.observe_layer(iteration, layer, gate_probs[layer], topk_ids[layer])
 
     def end_iteration(self, iteration: int) -> None:
         pass

@@ -161,6 +161,13 @@ class DynaExqScheduler(PolicyBase):
         # numpy on the counts' shared memory: one call, a sixth of torch's bincount + cast + add
         self._counts_np[layer] += np.bincount(topk_ids.numpy().reshape(-1), minlength=self.num_experts)
 
+    def observe_step(self, iteration, gate_probs, topk_ids) -> None:
+        """Every layer's counts in one bincount: `topk_ids (L, T, k)` offset by layer."""
+        ids = topk_ids.numpy().reshape(len(topk_ids), -1)
+        L, J = self._counts_np.shape
+        offsets = (np.arange(L) * J)[:, None]
+        self._counts_np += np.bincount((ids + offsets).reshape(-1), minlength=L * J).reshape(L, J)
+
     def _reset_counts(self, num_layers: int, num_experts: int) -> None:
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self._counts_np = self.counts.numpy()  # the same memory
@@ -349,6 +356,10 @@ class CombinedPolicy(PolicyBase):
     def observe_layer(self, iteration, layer, gate_probs, topk_ids) -> None:
         for p in self.parts:
             p.observe_layer(iteration, layer, gate_probs, topk_ids)
+
+    def observe_step(self, iteration, gate_probs, topk_ids) -> None:
+        for p in self.parts:
+            p.observe_step(iteration, gate_probs, topk_ids)
 
     def observe_speculative(self, iteration, layer, distance, topk_ids) -> None:
         for p in self.parts:

@@ -291,6 +291,25 @@ class FineMoEPolicy(PolicyBase):
             return
         self._submit(("layer", iteration, layer, gate_probs, topk_ids))
 
+    def observe_step(self, iteration, gate_probs, topk_ids) -> None:
+        """A whole step that has run (the engine's step-late publication): with the searcher process,
+        its L layer events in one write (`SearcherProcess.publish_layers`), the distinct experts of
+        every layer counted at once; otherwise `observe_layer` per layer."""
+        if self._process is None:
+            super().observe_step(iteration, gate_probs, topk_ids)
+            return
+        L = len(gate_probs)
+        self._progress = (iteration, L - 1)
+        self._process.apply_decisions(self.sink)
+        if self._num_tokens_published == 1:
+            distinct = np.full(L, self.top_k, dtype=np.int64)
+        else:
+            ids = topk_ids.numpy().reshape(L, -1)
+            seen = np.zeros((L, self.num_experts), dtype=bool)
+            seen[np.arange(L)[:, None], ids] = True
+            distinct = seen.sum(axis=1)
+        self._process.publish_layers(iteration, distinct, gate_probs.numpy())
+
     def poll(self) -> None:
         """Hand the searcher process's latest decisions to the sink (the layer feed calls this while
         it waits for the next layer, so that a prediction reaches the residency before its layer)."""

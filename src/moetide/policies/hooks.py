@@ -247,11 +247,23 @@ class PolicyHooks:
         embedding = torch.from_numpy(record.embed.copy())
         for p in self.policies:
             p.begin_iteration(self.iteration, embedding, record.num_tokens, request_ids=request_ids)
-        for ordinal in range(len(self.routers)):
-            probs = torch.from_numpy(record.gate_probs(ordinal))
-            self._publish(ordinal, probs, torch.from_numpy(record.ids[ordinal].astype(np.int64)))
-            if record.spec is not None and ordinal + self._distances[0] < len(self.routers):
-                self._speculative(ordinal, self._distances[0], torch.from_numpy(record.spec[ordinal].astype(np.int64)))
+        # the whole step at once: one softmax over (L, T, E), one cast of the ids, one sink request
+        probs = torch.from_numpy(record.gate_probs())  # (L, E)
+        ids = torch.from_numpy(record.ids.astype(np.int64))  # (L, T, k)
+        spec = torch.from_numpy(record.spec.astype(np.int64)) if record.spec is not None else None
+        # batched where a policy takes the whole step (`PolicyBase.observe_step`) and no speculative
+        # ids interleave with the layers; layer by layer otherwise
+        batched = [p for p in self.policies if spec is None and hasattr(p, "observe_step")]
+        for p in batched:
+            p.observe_step(self.iteration, probs, ids)
+        per_layer = [p for p in self.policies if p not in batched]
+        for ordinal in range(len(self.routers) if per_layer else 0):
+            for p in per_layer:
+                p.observe_layer(self.iteration, ordinal, probs[ordinal], ids[ordinal])
+            if spec is not None and ordinal + self._distances[0] < len(self.routers):
+                self._speculative(ordinal, self._distances[0], spec[ordinal])
+        if self._observe_sink is not None:
+            self._observe_sink(None, probs.numpy())
         for p in self.policies:
             p.end_iteration(self.iteration)
         self.hook_time_s += time.perf_counter() - t0

@@ -196,6 +196,25 @@ class SearcherProcess:
             self._poke()
         return True
 
+    def publish_layers(self, iteration: int, counts: np.ndarray, probs: np.ndarray) -> bool:
+        """Every MoE layer of a finished step at once (the engine publishes a step after it ran): L
+        "layer" events, `counts (L,)` distinct experts and `probs (L, J)` gate probabilities, written
+        with one position, one sequence update and at most one wake-up. All or none: False (every
+        one dropped) when the ring lacks room for L."""
+        rings, L = self.rings, len(counts)
+        rings.ctrl[_POSITION] = encode_position(iteration, L - 1)
+        if self.submitted + L - int(rings.ctrl[_READ_SEQ]) > self.event_slots:
+            self.dropped_events += L
+            return False
+        slots = (self.submitted + np.arange(L)) % self.event_slots
+        rings.ev_head[slots] = np.stack([np.full(L, KIND_LAYER), np.full(L, iteration), np.arange(L), counts], 1)
+        rings.ev_data[slots, : probs.shape[1]] = probs
+        self.submitted += L
+        rings.ctrl[_WRITE_SEQ] = self.submitted
+        if rings.ctrl[_SLEEPING]:
+            self._poke()
+        return True
+
     def _poke(self) -> None:
         """Wake the child (a full pipe means it has plenty to wake up for already)."""
         try:

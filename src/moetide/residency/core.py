@@ -97,6 +97,7 @@ class ResidencyOptions:
 
 EVICTION_RULES = ("lru", "prob-freq")
 ON_MISS_RULES = ("lo", "zero-copy", "stall")
+UNPROTECTED = -(1 << 62)  # `_protected`'s entry for an expert no prediction spares (below any iteration)
 TABLE_LAG = 2  # a request made from step i's observations first reaches the table of step i + 2
 
 
@@ -145,7 +146,8 @@ class ResidencyManager:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._prefetch_queue: deque = deque()  # (iteration, layer, expert)
         self._precision_queue: OrderedDict = OrderedDict()  # (layer, expert) -> a tier name
-        self._protected: dict[tuple[int, int], int] = {}  # (layer, expert) -> iteration
+        # (L, E) int64: the iteration each expert is protected for (`UNPROTECTED`: none)
+        self._protected = np.full((store.num_layers, store.num_experts), UNPROTECTED, dtype=np.int64)
         # prob-freq eviction: latest probability estimate and uses of each (layer, expert), (L, E)
         self._prob = np.zeros((store.num_layers, store.num_experts), dtype=np.float32)
         self._visits = np.zeros((store.num_layers, store.num_experts), dtype=np.int64)
@@ -194,6 +196,8 @@ class ResidencyManager:
             for row in self.handles:
                 for h in row:
                     h.target = "lo"
+        # (L, E): the precision policy keeps the expert in lo (`ExpertHandle.target`, mirrored where set)
+        self._kept_lo = np.full((L, E), options.mode in ("lo+hi", "all-lo"))
 
     def _make_pools(self, plan: MemoryPlan, options: ResidencyOptions, device: torch.device) -> None:
         """The ladder's pools, hottest first (`tiers`: "hi", the middle tiers' "mid1", ..., "lo"),
@@ -210,6 +214,10 @@ class ResidencyManager:
         # after the three every ladder has
         self.pool_ids = {"hi": 0, "lo": 1, "host": 2}
         self.pool_ids.update((name, 3 + i) for i, name in enumerate(middle))
+        # fixed with the pools (read per prefetch request: hundreds a step at batch 32)
+        self._has_slots = {name: pool.num_slots > 0 for name, pool in self.pools.items()}
+        self._evicting = {name: self._evicts(name) for name in self.pools}
+        self._lo_hi = options.mode == "lo+hi"
 
     # -- ExpertSink (any thread; never blocks) -----------------------------------------------------
     @property
@@ -227,9 +235,11 @@ class ResidencyManager:
         """Whether a policy has asked for something since the requests were last drained."""
         return not self._requests.empty()
 
-    def observe_gate_probs(self, layer: int, probs) -> None:
-        """The mean gate probabilities `(E,)` of `layer` in the running step (for prob-freq eviction)."""
-        self._requests.put(("observed", layer, None, np.asarray(probs, dtype=np.float32)))
+    def observe_gate_probs(self, layer: int | None, probs) -> None:
+        """The mean gate probabilities `(E,)` of `layer` in the running step (for prob-freq eviction);
+        `layer` None: every layer's at once, `(L, E)`."""
+        where = slice(None) if layer is None else layer
+        self._requests.put(("observed", where, None, np.asarray(probs, dtype=np.float32)))
 
     def protect(self, layer: int, experts: list[int], *, iteration: int) -> None:
         self._requests.put(("protect", layer, tuple(experts), iteration))
@@ -247,7 +257,7 @@ class ResidencyManager:
         self._layers_done = -1
         lag = TABLE_LAG if self.table_mode else 0
         stale = self.iteration - self.options.protect_iterations - lag
-        self._protected = {k: it for k, it in self._protected.items() if it > stale}
+        self._unprotect(self._protected, stale)
 
     def _drain_requests(self) -> None:
         while True:
@@ -261,7 +271,7 @@ class ResidencyManager:
                     self._protect(layer, what, iteration)
                 if priorities is not None:  # the prediction is the experts' latest probability estimate
                     self._prob[layer, list(what)] = priorities
-                self._prefetch_queue.extend((iteration, layer, e) for e in what)
+                self._prefetch_queue.extend((iteration, layer, e) for e in self._worth_prefetching(layer, what))
                 self.metrics.bump("prefetches_issued", len(what))
             elif kind == "observed":
                 self._prob[layer] = arg
@@ -270,11 +280,24 @@ class ResidencyManager:
             else:
                 self._precision_queue[(layer, what)] = arg
 
+    @staticmethod
+    def _unprotect(protected: np.ndarray, up_to: int) -> None:
+        """End the protections (of a view of `_protected`) for iterations up to `up_to`, in place."""
+        protected[protected <= up_to] = UNPROTECTED
+
+    def _worth_prefetching(self, layer: int, experts):
+        """The requested experts whose prefetch can do anything. In the lo+hi mode, with a lo pool that
+        holds every expert, one the precision policy keeps in lo is already where a prefetch would
+        bring it (most of a busy step's requests: hundreds at batch 32), so it is not queued."""
+        if not (self._lo_hi and self._has_slots["lo"] and not self._evicting["lo"]) or self._parked["lo"]:
+            return experts  # (a lo pool with a slot per expert is preloaded with every one)
+        what = np.fromiter(experts, dtype=np.int64, count=len(experts))
+        return what[~self._kept_lo[layer, what]].tolist()
+
     def _protect(self, layer: int, experts, iteration: int) -> None:
         if not self.table_mode and iteration == self.iteration and layer <= self._layers_done:
             return  # that layer has already run in this iteration: nothing left to spare it for
-        for e in experts:
-            self._protected[(layer, e)] = iteration
+        self._protected[layer, list(experts)] = iteration
 
     # -- slots ------------------------------------------------------------------------------------------
     def _reclaim(self, wait_for_one: bool = False) -> bool:
@@ -320,7 +343,7 @@ class ResidencyManager:
         scored = self.options.eviction == "prob-freq"
         for layer, expert in self._lru[pool]:
             h = self.handles[layer][expert]
-            if h.in_use or (protect_all and (layer, expert) in self._protected):
+            if h.in_use or (protect_all and self._protected[layer, expert] != UNPROTECTED):
                 continue
             if not self._publish_if_ready(h.versions[pool]):  # a landed prefetch is evictable too
                 continue
@@ -361,7 +384,8 @@ class ResidencyManager:
             while queue_:
                 h = queue_.popleft()
                 v = h.versions.get(pool)
-                if v is None or h.in_use or (h.layer, h.expert) in self._protected or v.last_use > tick:
+                protected = self._protected[h.layer, h.expert] != UNPROTECTED
+                if v is None or h.in_use or protected or v.last_use > tick:
                     continue
                 return h
             return None
@@ -604,13 +628,14 @@ class ResidencyManager:
         pool = self._prefetch_pool(h)
         if pool is None:
             return False
-        if pool in h.versions:
-            if self._evicts(pool):  # a pool that holds every expert keeps no LRU order worth a touch
+        if pool in h.versions:  # (most requests of a busy step: kept cheap)
+            if self._evicting[pool]:  # a pool that holds every expert keeps no LRU order worth a touch
                 self._touch(h, pool)
             # predicted after all: no in-step prefetch may take its slot; within a step its entry is
             # back at once (the slot was never given away), else in the next table
-            if (layer, expert) in self._parked[pool]:
-                del self._parked[pool][(layer, expert)]
+            parked = self._parked[pool]
+            if parked and (layer, expert) in parked:
+                del parked[(layer, expert)]
                 if in_step is not None:
                     self._republish(h, pool)
             return False
@@ -647,10 +672,11 @@ class ResidencyManager:
         """The pool a prefetch of `h` fills: the hi pool when there is one, except in the lo+hi mode
         (combined), where the precision policy's target tier decides (a prefetch brings the expert
         in the precision DynaExq chose; FineMoE only says when). None: no pool to fill."""
-        lo = "lo" if self.pools["lo"].num_slots else None
-        if self.options.mode == "lo+hi":
-            return h.target if h.target != "lo" and self.pools[h.target].num_slots else lo
-        return "hi" if self.pools["hi"].num_slots else lo
+        has_slots = self._has_slots
+        lo = "lo" if has_slots["lo"] else None
+        if self._lo_hi:
+            return h.target if h.target != "lo" and has_slots[h.target] else lo
+        return "hi" if has_slots["hi"] else lo
 
     def _victim_queues(self):
         """`pool -> next_victim` for a burst of prefetches, each pool ranked once, on first use."""
@@ -688,6 +714,7 @@ class ResidencyManager:
                 continue  # precision is fixed by the mode
             h = self.handles[layer][expert]
             h.target = target
+            self._kept_lo[layer, expert] = target == "lo"
             outcome = self._move_to_target(h)
             if outcome == "deferred":
                 waiting.append(((layer, expert), target))
@@ -793,8 +820,7 @@ class ResidencyManager:
         """`layer` has run in this iteration: its experts' protection has served (FineMoE spares the
         experts predicted for what is still to come in the iteration, not those already used)."""
         self._layers_done = max(self._layers_done, layer)
-        for key in [k for k, it in self._protected.items() if k[0] == layer and it <= self.iteration]:
-            del self._protected[key]
+        self._unprotect(self._protected[layer], self.iteration)
 
     def _usable(self, h: ExpertHandle, demand_pool: str, counters) -> DeviceVersion | None:
         """A version of `h` to run now without a demand copy (the wanted one, or in its place the
@@ -855,7 +881,7 @@ class ResidencyManager:
         with self._lock:
             self._step_marker = self.transfer.compute_marker()
             self._layers_done = self.store.num_layers - 1
-            self._protected = {k: it for k, it in self._protected.items() if it > self.iteration}
+            self._unprotect(self._protected, self.iteration)
 
     def in_step(self, iteration: int, routed: int, used=None) -> int:
         """Within a step (the layer feed's thread): MoE layer `routed` of step `iteration` has routed on
@@ -879,7 +905,7 @@ class ResidencyManager:
                             self._touch(h, pool)
             self._drain_requests()
             # the layers that have run in this step: their protection has served
-            self._protected = {k: it for k, it in self._protected.items() if k[0] >= routed or it > iteration}
+            self._unprotect(self._protected[:routed], iteration)
             if not self._prefetch_queue:
                 return 0
             later, started = deque(), 0
@@ -982,12 +1008,14 @@ class ResidencyManager:
         mid_runs = np.isin(ran, mid_ids).sum(axis=1)
         lo_runs = (ran == lo_id).sum(axis=1) + mid_runs if wanted != lo_id else np.zeros(len(ran), int)
         misses = ((ran == host_id) | (ran == NOT_RESIDENT)).sum(axis=1)
-        for layer, counters in enumerate(self.metrics.layers):
-            counters.used += int(used[layer].sum())
-            counters.hits += int(hits[layer])
-            counters.lo_runs += int(lo_runs[layer])
-            counters.mid_runs += int(mid_runs[layer])
-            counters.misses += int(misses[layer])
+        per_layer = zip(used.sum(axis=1).tolist(), hits.tolist(), lo_runs.tolist(), mid_runs.tolist(),
+                        misses.tolist(), strict=True)  # fmt: skip
+        for counters, (n_used, n_hits, n_lo, n_mid, n_miss) in zip(self.metrics.layers, per_layer, strict=True):
+            counters.used += n_used
+            counters.hits += n_hits
+            counters.lo_runs += n_lo
+            counters.mid_runs += n_mid
+            counters.misses += n_miss
         self._visits += used
         names = {self.pool_ids[name]: name for name in self.tiers}
         # only pools that evict need their LRU order kept (a lo pool holding every expert never does),
@@ -996,8 +1024,9 @@ class ResidencyManager:
         for pid, name in names.items():
             if self._evicts(name):
                 watched |= ran == pid
-        for layer, expert in zip(*np.nonzero(watched), strict=True):
-            pool = names.get(int(ran[layer, expert]))
+        layers, experts = np.nonzero(watched)
+        for layer, expert, pid in zip(layers.tolist(), experts.tolist(), ran[layers, experts].tolist(), strict=True):
+            pool = names.get(pid)
             h = self.handles[layer][expert]
             version = h.versions.get(pool) if pool is not None else None
             if version is not None:
@@ -1006,13 +1035,13 @@ class ResidencyManager:
                     version.prefetched = False
                     self.metrics.bump("prefetches_used")
             elif pool is None and self.options.mode == "hi-cache" and "hi" not in h.versions:
-                self._prefetch_queue.append((iteration, int(layer), int(expert)))  # cache what was used
-                self._fills.add((int(layer), int(expert)))
+                self._prefetch_queue.append((iteration, layer, expert))  # cache what was used
+                self._fills.add((layer, expert))
             hi = h.versions.get("hi")
             if pool != "hi" and hi is not None:  # it ran from lo or host memory with a hi version kept
                 if hi.prefetched and hi.issued_at <= iteration:
                     self.metrics.bump("prefetches_late")  # predicted in time, landed too late
-                elif (int(layer), int(expert)) in self._parked_in_step.get(iteration, {}).get("hi", ()):
+                elif (layer, expert) in self._parked_in_step.get(iteration, {}).get("hi", ()):
                     self.metrics.bump("parked_misses")  # its slot was parked for in-step prefetches
 
     # -- set-up and reporting ---------------------------------------------------------------------------
