@@ -9,6 +9,8 @@ Kernel tests run compiled on CUDA; on CPU they run under Triton's interpreter in
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -267,6 +269,27 @@ def test_config_table_and_defaults():
     assert config_for(7, 12345, 678, "int4") == default_config(7)  # not in the table
     with pytest.raises(ValueError):
         KernelConfig(block_m=8)
+
+
+def test_each_pool_of_a_mixed_layer_takes_its_own_formats_tiles_and_they_share_block_m():
+    """Per-tensor precision: with bf16 hi slots and int2 lo rows in one layer (combined), each pool's
+    launches take its own format's tiles and tile product from the table (the int2 rows ran on the
+    bf16 tiles before); block_m is the lo pool's for both, since one alignment of the pairs serves
+    every pool. A config given explicitly (the tuner) serves every pool."""
+    from moetide.compute.fused_moe import pool_configs
+
+    hi = make_pool(1, 1024, 2048, "hi", torch.bfloat16)
+    lo = make_pool(1, 1024, 2048, "int2", torch.bfloat16)
+    differ = 0
+    for T in (1, 8, 32, 128):
+        got = pool_configs(T, [hi, lo, None])
+        want_lo = config_for(T, 2048, 1024, lo.format.name)
+        want_hi = replace(config_for(T, 2048, 1024, hi.format.name), block_m=want_lo.block_m)
+        assert got == [want_hi, want_lo, None]
+        differ += want_hi != want_lo
+    assert differ  # the table holds different tiles for the two formats
+    given = KernelConfig(block_m=16, block_n=32, block_k=64)
+    assert pool_configs(8, [hi, lo, None], given) == [given, given, None]
 
 
 @pytest.mark.parametrize(

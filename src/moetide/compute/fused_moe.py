@@ -62,13 +62,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from .fused_moe_config import KernelConfig, config_for
-from ..residency.slot_table import MatrixFormat, Pool
+from .fused_moe_config import KernelConfig, config_for, t_bucket
+from ..residency.slot_table import MatrixFormat, Pool, PoolFormat
 
 # The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix).
 PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4, "v4": 5, "v5": 6}
@@ -645,14 +646,43 @@ def _paired_codes(dtype: torch.dtype) -> bool:
     return dtype == torch.float16 or (dtype == torch.bfloat16 and not _WIDEN_DOT)
 
 
-def _fit_packed_tiles(config: KernelConfig, pools: list[Pool | None]) -> KernelConfig:
+def _fits_dot(config: KernelConfig, fmt: PoolFormat) -> bool:
     """tl.dot needs 16 bytes of packed codes per K-tile; groups smaller than that (tiles lie inside
     one group) leave only the GEMV tiles (block_m 1), which take any tile width."""
-    for pool in pools:
-        for m in (pool.format.gate_up, pool.format.down) if pool is not None else ():
-            if m.packed and config.block_m > 1 and min(config.block_k, m.group_size) * m.bits // 8 < 16:
-                return replace(config, block_m=1)
-    return config
+    for m in (fmt.gate_up, fmt.down):
+        if m.packed and config.block_m > 1 and min(config.block_k, m.group_size) * m.bits // 8 < 16:
+            return False
+    return True
+
+
+LO_POOL_ID = 1  # `ResidencyManager.pool_ids["lo"]`: in a mixed layer, the pool that runs most pairs
+
+
+def pool_configs(num_tokens: int, pools: list[Pool | None], config: KernelConfig | None = None) -> list:
+    """The tiles of each pool's launches (None where a pool is None). `config`: one for every pool (the
+    tuner, tests); else each pool's own format's from the table, since bf16 hi slots and int2 lo rows
+    want different tiles and tile products (per-tensor precision). They share block_m, for one
+    alignment of the pairs serves every pool: the lo pool's where there is one, else the first
+    pool's; block_m 1 for all where a pool's groups are too small for tl.dot tiles."""
+    formats = tuple(pool.format if pool is not None else None for pool in pools)
+    return list(_pool_configs(t_bucket(num_tokens), formats, config))
+
+
+@lru_cache(maxsize=256)
+def _pool_configs(bucket: int, formats: tuple, config: KernelConfig | None) -> tuple:
+    first = next(f for f in formats if f is not None)
+    if config is not None:
+        configs = [config if f is not None else None for f in formats]
+    else:
+        configs = [config_for(bucket, first.hidden_size, first.intermediate_size, f.name) if f is not None
+                   else None for f in formats]  # fmt: skip
+        if _WIDEN_DOT:  # the interpreter runs each program in Python: wide tiles, few programs
+            configs = [replace(c, block_n=max(c.block_n, 128)) if c is not None else None for c in configs]
+    lead = configs[LO_POOL_ID] if len(configs) > LO_POOL_ID and configs[LO_POOL_ID] is not None else None
+    block_m = (lead or next(c for c in configs if c is not None)).block_m
+    if not all(_fits_dot(replace(c, block_m=block_m), f) for c, f in zip(configs, formats, strict=True) if c):
+        block_m = 1
+    return tuple(replace(c, block_m=block_m) if c is not None and c.block_m != block_m else c for c in configs)
 
 
 def fused_moe(
@@ -683,14 +713,10 @@ def fused_moe(
     inter = fmt.intermediate_size
     if fmt.hidden_size != hidden_size:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not fit the pools' H={fmt.hidden_size}")
-    if config is None:
-        config = config_for(num_tokens, hidden_size, inter, fmt.name)
-        if _WIDEN_DOT:  # the interpreter runs each program in Python: wide tiles, few programs
-            config = replace(config, block_n=max(config.block_n, 128))
-    config = _fit_packed_tiles(config, pools)
-    packed_tile = packed_tile or PACKED_TILE or config.packed_tile
+    configs = pool_configs(num_tokens, pools, config)
+    block_m = next(c for c in configs if c is not None).block_m
     hidden = hidden.contiguous()
-    sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), config.block_m)
+    sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), block_m)
     h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)
     y = torch.zeros(num_pairs, hidden_size, device=hidden.device, dtype=torch.float32)
     routing = topk_weights.contiguous().reshape(-1)
@@ -705,7 +731,7 @@ def fused_moe(
         num_pairs=num_pairs,
         HIDDEN=hidden_size,
         INTER=inter,
-        BLOCK_M=config.block_m,
+        BLOCK_M=block_m,
         DOT_PRECISION=dot_precision,
         wait_ptr=waits[0] if waits is not None else pool_of,  # (unread when WAIT is -1)
         landed_ptr=waits[1] if waits is not None else pool_of,
@@ -713,13 +739,14 @@ def fused_moe(
     for pool_id, pool in enumerate(pools):
         if pool is None:  # a pool without slots (no expert can point there)
             continue
-        f = pool.format
+        f, config = pool.format, configs[pool_id]
+        tile = packed_tile or PACKED_TILE or config.packed_tile
         common["WAIT"] = pool_id if waits is not None and pool_id == waits[2] else -1  # only its pool waits
         _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
-                       f.gate_up, config, packed_tile, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
+                       f.gate_up, config, tile, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
                        TOP_K=top_k, **common)  # fmt: skip
         _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
-                       f.down, config, packed_tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
+                       f.down, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
                        **common)  # fmt: skip
     out = torch.empty_like(hidden)
     _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, 1024))](y, out, TOP_K=top_k, HIDDEN=hidden_size, BLOCK=1024)
