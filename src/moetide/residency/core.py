@@ -1005,7 +1005,7 @@ class ResidencyManager:
         wanted = lo_id if self.options.mode == "all-lo" else hi_id
         hits = (ran == wanted).sum(axis=1)
         mid_ids = [self.pool_ids[name] for name in self.tiers[1:-1]]
-        mid_runs = np.isin(ran, mid_ids).sum(axis=1)
+        mid_runs = np.isin(ran, mid_ids).sum(axis=1) if mid_ids else np.zeros(len(ran), dtype=np.int64)
         lo_runs = (ran == lo_id).sum(axis=1) + mid_runs if wanted != lo_id else np.zeros(len(ran), int)
         misses = ((ran == host_id) | (ran == NOT_RESIDENT)).sum(axis=1)
         per_layer = zip(used.sum(axis=1).tolist(), hits.tolist(), lo_runs.tolist(), mid_runs.tolist(),
@@ -1022,7 +1022,7 @@ class ResidencyManager:
         # and only misses ask for anything: the rest of a batch-32 step's ~1,000 uses cost nothing here
         watched = (ran == host_id) | (ran == NOT_RESIDENT)
         for pid, name in names.items():
-            if self._evicts(name):
+            if self._evicting[name]:
                 watched |= ran == pid
         layers, experts = np.nonzero(watched)
         for layer, expert, pid in zip(layers.tolist(), experts.tolist(), ran[layers, experts].tolist(), strict=True):
