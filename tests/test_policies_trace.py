@@ -520,15 +520,15 @@ class RecordingSink:
         self.calls.append(("precision", layer, expert, precision))
 
 
-def test_the_searcher_process_decides_what_the_inline_handler_decides():
-    """Given time for every search (the forward pass waits for the searcher after each publish, which
-    the engine never does), the process makes the same sink calls, in the same order, with the same
-    priorities, as the handler run inline; and its store ends with the same online inserts."""
+def _inline_and_process_decisions(publish, **config):
+    """Replay a synthetic trace through FineMoE with the inline handler and with the searcher process,
+    `publish(policy, searcher, s, step)` showing each step's layers; returns {searcher: (sink calls,
+    store, stats)}. Each step's events are drained before the next (the engine never waits like this)."""
     warm = synthetic_trace([0, 1, 2, 3], decode_steps=8)
     meta = warm.meta
-    calls, stores = {}, {}
+    out = {}
     for searcher in ("inline", "process"):
-        policy = FineMoEPolicy(prefetch_distance=1, searcher=searcher)
+        policy = FineMoEPolicy(prefetch_distance=1, searcher=searcher, **config)
         sink = RecordingSink()
         policy.attach(sink, meta.num_layers, meta.num_experts, meta.top_k)
         policy.warm_up(warm.select_requests([0, 1]))
@@ -536,20 +536,37 @@ def test_the_searcher_process_decides_what_the_inline_handler_decides():
             for s in range(len(warm)):
                 step = warm.step(s)
                 policy.begin_iteration(s, step.embedding, step.num_tokens)
-                assert policy.drain(timeout_s=60)
-                for layer in range(meta.num_layers):
-                    policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
-                    assert policy.drain(timeout_s=60)
+                publish(policy, searcher, s, step)
                 policy.end_iteration(s)
                 assert policy.drain(timeout_s=60)
-            assert policy.stats()["late_skipped"] == 0 and not policy.errors
+            assert not policy.errors
         finally:
             policy.close()
-        calls[searcher], stores[searcher] = sink.calls, policy.store
-    assert len(calls["inline"]) > 0 and calls["process"] == calls["inline"]
-    assert len(stores["process"]) == len(stores["inline"])
-    last = len(stores["inline"]) - 1
-    torch.testing.assert_close(stores["process"].map(last), stores["inline"].map(last))
+        out[searcher] = sink.calls, policy.store, policy.stats()
+    return out
+
+
+def _assert_same_decisions(decisions) -> None:
+    (calls, store, _), (inline_calls, inline_store, _) = decisions["process"], decisions["inline"]
+    assert len(inline_calls) > 0 and calls == inline_calls
+    assert len(store) == len(inline_store)
+    torch.testing.assert_close(store.map(len(store) - 1), inline_store.map(len(store) - 1))
+
+
+def test_the_searcher_process_decides_what_the_inline_handler_decides():
+    """Given time for every search (the forward pass waits for the searcher after each publish, which
+    the engine never does), the process makes the same sink calls, in the same order, with the same
+    priorities, as the handler run inline; and its store ends with the same online inserts."""
+
+    def layer_by_layer(policy, searcher, s, step):
+        assert policy.drain(timeout_s=60)
+        for layer in range(len(step.gate_probs)):
+            policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+            assert policy.drain(timeout_s=60)
+
+    decisions = _inline_and_process_decisions(layer_by_layer)
+    assert all(stats["late_skipped"] == 0 for _, _, stats in decisions.values())
+    _assert_same_decisions(decisions)
 
 
 def test_a_whole_step_published_at_once_decides_what_its_layers_published_one_by_one_decide():
@@ -557,34 +574,20 @@ def test_a_whole_step_published_at_once_decides_what_its_layers_published_one_by
     layer events in one ring write, every layer's distinct experts counted at once. In the engine's
     step-late mode (lookahead 1), prefill steps included, the sink calls and priorities and the
     store's inserts equal those of the inline handler fed layer by layer."""
+
     warm = synthetic_trace([0, 1, 2, 3], decode_steps=8)
-    meta = warm.meta
     assert any(warm.step(s).num_tokens > 1 for s in range(len(warm)))  # distinct counts matter
-    calls, stores = {}, {}
-    for searcher in ("inline", "process"):
-        policy = FineMoEPolicy(prefetch_distance=1, searcher=searcher, lookahead=1)
-        sink = RecordingSink()
-        policy.attach(sink, meta.num_layers, meta.num_experts, meta.top_k)
-        policy.warm_up(warm.select_requests([0, 1]))
-        try:
-            for s in range(len(warm)):
-                step = warm.step(s)
-                policy.begin_iteration(s, step.embedding, step.num_tokens)
-                if searcher == "process":
-                    policy.observe_step(s, step.gate_probs, step.topk_ids.transpose(0, 1).contiguous())
-                else:
-                    for layer in range(meta.num_layers):
-                        policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
-                policy.end_iteration(s)
-                assert policy.drain(timeout_s=60)
-            assert policy.stats()["dropped_events"] == 0 and not policy.errors
-        finally:
-            policy.close()
-        calls[searcher], stores[searcher] = sink.calls, policy.store
-    assert len(calls["inline"]) > 0 and calls["process"] == calls["inline"]
-    assert len(stores["process"]) == len(stores["inline"])
-    last = len(stores["inline"]) - 1
-    torch.testing.assert_close(stores["process"].map(last), stores["inline"].map(last))
+
+    def whole_or_by_layer(policy, searcher, s, step):
+        if searcher == "process":
+            policy.observe_step(s, step.gate_probs, step.topk_ids.transpose(0, 1).contiguous())
+            return
+        for layer in range(len(step.gate_probs)):
+            policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+
+    decisions = _inline_and_process_decisions(whole_or_by_layer, lookahead=1)
+    assert all(stats["dropped_events"] == 0 for _, _, stats in decisions.values())
+    _assert_same_decisions(decisions)
 
 
 def test_a_paused_searcher_process_reads_every_event_and_decides_nothing():

@@ -450,7 +450,7 @@ class ResidencyManager:
         self._parked_in_step = {it: keys for it, keys in self._parked_in_step.items() if it > self.iteration - 4}
         self._parked_in_step[self.iteration] = self._parked  # (for the accounting a step later)
         for name, p in self.pools.items():
-            if not self._evicts(name):
+            if not self._evicting[name]:
                 continue
             wanted = self._in_step_short.pop(name, 0)
             target = self._reserve[name] = 0.7 * self._reserve.get(name, 0.0) + 0.3 * wanted
@@ -901,7 +901,7 @@ class ResidencyManager:
                 for expert in np.unique(used).tolist():
                     h = self.handles[routed][expert]
                     for pool in h.versions:
-                        if self._evicts(pool):
+                        if self._evicting[pool]:
                             self._touch(h, pool)
             self._drain_requests()
             # the layers that have run in this step: their protection has served
