@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the fused MoE path: its tests, the per-layer kernel timings (and tuning),
 # then decode tok/s and prefill TTFT against transformers' static-cache generate. Steps named in $@:
-#   tests gputests tune retune bench zerocopy decode qwen15 quant searcher trace
+#   tests gputests tune retune cells layer bench zerocopy decode qwen15 quant searcher trace
 # (no openai/pydantic on the GPU image: the server tests stay on the CPU)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
@@ -31,6 +31,16 @@ for step in "$@"; do
               && timeout $(T ${DECODE_S:-240}) python3 scripts/bench_decode_step.py --out "$OUT/decode_retuned.json" --prefill 0 \
                 --cache-dir /tmp/moetide-cache --policies ${DECODE_POLICIES:-no-offload,static-int4@6GiB,static-int2,combined} \
                 --batch-sizes 1,32 --compile off,auto --skip-hf 2>&1 | grep "^{" | cut -c1-200 ;;
+    cells) # TUNE_CELLS="int2:1:v3,v5:60 int2:8,32:v4,v5:80" (format:tokens:tile products:seconds): tune each,
+           # each cell's fastest into this tree's table (returned as $OUT/fused_moe_configs.json)
+           for cell in ${TUNE_CELLS:-int2:1:v3,v5:60}; do
+             IFS=: read -r f t v s <<< "$cell"
+             timeout $(T $((s + 90))) python3 scripts/tune_fused_moe.py --out "$OUT/tune_${f}_${t//,/_}.json" --tune \
+               --formats $f --tokens $t --variants $v --tune-seconds $s --write-table --table-variant best 2>&1 | grep -v "^  "
+             [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" src/moetide/compute/
+           done ;;
+    layer) timeout $(T 120) python3 scripts/profile_fused_layer.py --out "$OUT/layer_kernels.json" --tokens 1,8,32,128 \
+             --formats ${LAYER_FORMATS:-int2,int4,bfloat16} 2>&1 | tail -14 ;;
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \
              | grep -v "Warn\|Loading\|it/s\]" ;;
     zerocopy) timeout $(T 60) python3 scripts/probe_zero_copy.py --out "$OUT/zero_copy.json" ;;

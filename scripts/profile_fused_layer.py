@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_fused_moe import SHAPES, layer_inputs, make_pool, time_layer  # noqa: E402
+from tune_fused_moe import ROOFLINE_BYTES_S, SHAPES, layer_bytes, layer_inputs, make_pool, time_layer  # noqa: E402
 
 from moetide.compute import fused_moe as fm  # noqa: E402
 
@@ -57,7 +57,9 @@ def main() -> int:
             config = fm.config_for(t, hidden, inter, pool.format.name)
             graph_us, _ = time_layer(pool, inputs, config, config.packed_tile)
             kernels = kernel_times(pool, inputs, args.reps)
+            roof_us = layer_bytes(pool, inputs[1], hidden) / ROOFLINE_BYTES_S * 1e6
             rows.append({"format": fmt, "tokens": t, "config": vars(config), "graph_us": round(graph_us, 2),
+                         "roofline_us": round(roof_us, 2), "vs_roofline": round(graph_us / roof_us, 2),
                          "kernels_us": kernels, "kernels_sum_us": round(sum(kernels.values()), 2)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))

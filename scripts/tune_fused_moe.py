@@ -113,32 +113,32 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def candidates(num_tokens: int):
-    if num_tokens <= 2:
-        for bn, bk in itertools.product((16, 32, 64), (128, 256)):
-            yield KernelConfig(1, bn, bk, 4, 2)
-        for w, s, bn in itertools.product((2, 8, 4), (3, 4, 2), (16, 32)):  # GEMV tiles: latency, not flops
-            yield KernelConfig(1, bn, 128, w, s)
+    if num_tokens <= 2:  # every pair its own block (no sort): GEMV tiles, or 16-row dot tiles of one pair
+        for bk, bn, w in itertools.product((512, 256, 1024, 128), (16, 32, 64), (4, 8)):
+            yield KernelConfig(1, bn, bk, w, 2)  # K-steps of several groups: more loads in flight
+        for bk, bn, s in itertools.product((256, 512, 128), (16, 32, 64), (2, 3)):
+            yield KernelConfig(16, bn, bk, 4, s)  # the dot unpacks two codes per op (v4 / v5)
         return
     if num_tokens <= 64:
-        for bn, bk, s in itertools.product((64, 128, 32), (64, 128), (3, 2)):
+        if num_tokens <= 16:  # GEMV tiles, a program per pair: an expert's rows read once per pair
+            for bk, bn in itertools.product((1024, 512), (32, 64, 16)):
+                yield KernelConfig(1, bn, bk, 4, 2)
+        for bn, bk, s in itertools.product((64, 128, 32), (128, 256, 512, 64), (3, 2)):
             yield KernelConfig(16, bn, bk, 4, s)
         # then other warp counts, wider N-tiles and deeper pipelines (few experts' pairs fill a
         # 16-row block here: the unpacking, not the dot, is the work to spread)
         for w, bn, s in itertools.product((8, 2), (64, 128, 256), (3, 4)):
-            yield KernelConfig(16, bn, 64, w, s)
-        for bn in (128, 256):
-            yield KernelConfig(16, bn, 64, 4, 4)
+            yield KernelConfig(16, bn, 128, w, s)
         return
-    for bm, bn, w in itertools.product((32, 64), (128, 64), (4, 8)):
-        yield KernelConfig(bm, bn, 64, w, 3)
-    for bm, bn, w in itertools.product((32, 64), (128, 64), (4, 8)):  # v4 / v5: 16-wide dots of int2 fields
-        yield KernelConfig(bm, bn, 128, w, 3)
+    for bm, bn, w, bk in itertools.product((32, 64), (128, 64), (4, 8), (128, 256, 64)):
+        yield KernelConfig(bm, bn, bk, w, 3)
 
 
 def effective(config: KernelConfig, pool: Pool) -> tuple:
-    """What the kernels of `pool` run with `config` (packed block_k is clamped to the group size)."""
-    matrices = (pool.format.gate_up, pool.format.down)
-    ks = [min(config.block_k, m.group_size) if m.packed else config.block_k for m in matrices]
+    """What the kernels of `pool` run with `config` (a packed K-step is cut to divide the row)."""
+    fmt = pool.format
+    matrices = ((fmt.gate_up, fmt.hidden_size), (fmt.down, fmt.intermediate_size))
+    ks = [fm.k_tiles(config.block_k, m, k) for m, k in matrices]
     return (config.block_m, config.block_n, config.num_warps, config.num_stages, *ks)
 
 

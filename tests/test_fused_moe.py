@@ -138,7 +138,8 @@ def test_fused_kernel_mixed_table(kernel, dtype, num_tokens):
     "packed_tile,dtype",
     [(t, d) for t in ("v2", "v2i") for d in (torch.float32, torch.bfloat16)]
     + [("v3", torch.bfloat16), ("v3", torch.float16)]
-    + [(t, d) for t in ("v4", "v5") for d in (torch.bfloat16, torch.float16)] + [("v4", torch.float32)],
+    + [(t, d) for t in ("v4", "v5", "v6") for d in (torch.bfloat16, torch.float16)]
+    + [("v4", torch.float32), ("v6", torch.float32)],
 )
 @pytest.mark.parametrize("num_tokens", [1, 3, 33, 80])
 def test_fused_kernel_packed_tile_products(kernel, packed_tile, dtype, num_tokens):
@@ -147,9 +148,10 @@ def test_fused_kernel_packed_tile_products(kernel, packed_tile, dtype, num_token
     (T=3, 33) and 64-row blocks (T=80). H=128, I=64: int2's tiles take tl.dot in both projections
     (16 bytes of codes per K-tile), gate_up has two K-tiles per row, inside one group (int2) or one
     group each (int4). v3 converts the codes without int-to-float conversions (float16 exercises it
-    under the interpreter, bfloat16 on CUDA: the interpreter's bf16 takes v2's float32 codes)."""
+    under the interpreter, bfloat16 on CUDA: the interpreter's bf16 takes v2's float32 codes); v6's
+    GEMV tiles set them into float32 mantissas and sum once (every dtype at T=1)."""
     # under the interpreter bf16 codes take v2's float32 path (its bf16 arithmetic is wrong)
-    if not CUDA and dtype == torch.bfloat16 and packed_tile in ("v2i", "v3", "v4", "v5"):
+    if not CUDA and dtype == torch.bfloat16 and packed_tile in ("v2i", "v3", "v4", "v5", "v6"):
         pytest.skip("CUDA only: under the interpreter the same path as v2's bf16 case")
     hidden_size, inter = 128, 64
     pools = [
@@ -206,17 +208,38 @@ def test_fused_kernel_ladder_table_reads_its_middle_pool(kernel, num_tokens):
 
 
 @pytest.mark.parametrize("precision", ["int4", "int2"])
-@pytest.mark.parametrize("config", [KernelConfig(1, 16, 32), KernelConfig(16, 32, 64), KernelConfig(32, 16, 16)])
-def test_fused_kernel_tiles(kernel, precision, config):
-    """Every tile shape computes the same function (block_k clamped to the group size)."""
+@pytest.mark.parametrize(
+    "config", [KernelConfig(1, 16, 32), KernelConfig(1, 32, 64), KernelConfig(16, 32, 64), KernelConfig(32, 16, 16)]
+)
+@pytest.mark.parametrize("num_tokens", [2, 5])
+@pytest.mark.parametrize("packed_tile", [None, "v6"])
+def test_fused_kernel_tiles(kernel, precision, config, num_tokens, packed_tile):
+    """Every tile shape computes the same function: K-steps of one group (16, 32) or two (64: gate_up's
+    K is 64, down's 32, cut to 32), GEMV tiles (the table's product, and v6's partial sums, whose
+    words hold 16 int2 / 8 int4 codes: 2 or 4 words per group), and dot tiles over sorted blocks
+    (5 tokens) or over one-pair blocks (2 tokens, no sort)."""
     pools = [make_pool(E, I, H, precision, torch.float32, seed=4, group_size=32)]
     pool_of = torch.arange(E, dtype=torch.int32, device=kernel_device())
     slot_of = torch.arange(E - 1, -1, -1, dtype=torch.int32, device=kernel_device())
-    ids, weights = routing(5, E, TOP_K, torch.float32, seed=5)
-    hidden = torch.randn(5, H, generator=torch.Generator().manual_seed(8)).to(kernel_device())
-    out = kernel.fused_moe(hidden, ids, weights, pool_of * 0, slot_of, pools, config=config)
+    ids, weights = routing(num_tokens, E, TOP_K, torch.float32, seed=5)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(8)).to(kernel_device())
+    out = kernel.fused_moe(hidden, ids, weights, pool_of * 0, slot_of, pools, config=config, packed_tile=packed_tile)
     ref = reference_moe(hidden, ids, weights, pool_of * 0, slot_of, pools, F.silu)
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_fused_kernel_reads_no_output_row_of_a_pair_without_a_version(kernel, num_tokens, monkeypatch):
+    """The per-pair outputs are never filled: a pair whose expert has no version (pool -1) leaves its
+    row as it was, NaN here, and the reduce must not read it."""
+    monkeypatch.setattr(kernel, "_pair_outputs", lambda p, h, dev: torch.full((p, h), float("nan"), device=dev))
+    pools = [make_pool(E, I, H, "hi", torch.float32), make_pool(E, I, H, "int2", torch.float32, seed=1)]
+    pool_of, slot_of = table(E, [E, E], seed=13)
+    assert (pool_of == NOT_RESIDENT).any() and (pool_of >= 0).any()
+    ids, weights = routing(num_tokens, E, TOP_K, torch.float32, seed=14)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(15)).to(kernel_device())
+    out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), torch.float32)
 
 
 def test_fused_kernel_empty_table_adds_nothing(kernel):

@@ -12,19 +12,22 @@ H hidden, I expert intermediate.
 Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed T):
   align     pairs sorted by expert into blocks of BLOCK_M rows, each block one expert, by one
             program (`align_pairs`, a counting sort after vLLM's `moe_align_block_size`); at
-            BLOCK_M == 1 every pair is its own block and the kernels read the router's ids as
-            they are (decode of a few tokens: GEMV tiles).
+            BLOCK_M == 1 (GEMV tiles), and for any tiles at T <= GEMV_MAX_TOKENS, every pair is
+            its own block (its first row; h indexed by pair) and the kernels read the router's ids
+            as they are: no sort.
   gate_up   per pool, grid (blocks, cdiv(I, BLOCK_N)): h = silu(x @ Wg^T) * (x @ Wu^T) into a
             (padded pairs, I) scratch. Blocks whose expert lives in another pool exit at once.
   down      per pool, grid (blocks, cdiv(H, BLOCK_N)): y[pair] = w[pair] * (h @ Wd^T), float32.
-  reduce    out[t] = sum_j y[t * k + j] in float32, cast to the activations' dtype, one kernel
-            (`_reduce_kernel`): deterministic, no atomics.
+  reduce    out[t] = sum_j y[t * k + j] in float32 over the pairs whose expert has a version (y is
+            never filled), cast to the activations' dtype, one kernel (`_reduce_kernel`):
+            deterministic, no atomics.
 
 Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
 tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
-gptq/awq kernel). A K-tile of a packed matrix lies inside one group, so each output column has one
-float16 scale s and offset o per tile. Six tile products, picked per (T bucket, format) by the
-tile table (`KernelConfig.packed_tile`), or for every call by MOETIDE_PACKED_TILE, or per call
+gptq/awq kernel). A K-step of the loop (BLOCK_K) may span several groups of a packed matrix, its
+loads issued together; it is computed as products of SUB_K <= the group size (`k_tiles`), so each
+output column has one float16 scale s and offset o per product. Seven tile products, picked per
+(T bucket, format) by the tile table (`KernelConfig.packed_tile`), or for every call by MOETIDE_PACKED_TILE, or per call
 (`fused_moe(packed_tile=...)`); measured against each other on the H200 (`scripts/tune_fused_moe.py
 --variants`, BENCHMARKS.md §0d, §0f), the table picks each cell's fastest (`fused_moe_configs.json`);
 v2i was never clearly faster and stays for comparison only:
@@ -46,7 +49,11 @@ v2i was never clearly faster and stays for comparison only:
        (`_paired_product`); the table's for int2 at T = 8. bf16 / fp16 activations only (others v3).
   v5   as v4, computing W_tile @ a^T (the unpacked codes as the MMA's first operand); the table's
        for int2 at T = 32 and 128. At GEMV tiles v4 and v5 are v3.
-v2 to v5 round no weight: their results differ from the reference (which rounds the dequantized
+  v6   GEMV tiles: int32 words, each code set into the mantissa of 1.0 by one mask and OR (int2: two
+       codes per shift) and multiplied with its activation scaled to match, into partial sums that
+       are reduced once after the K loop (`_gemv_words`): no int-to-float conversion and no
+       reduction per K-step, whatever the activation dtype. Dot tiles: v5.
+v2 to v6 round no weight: their results differ from the reference (which rounds the dequantized
 weights to the activation dtype before its matmul) by that rounding, ~2^-9 relative per weight for
 bf16 activations, none for float32. The GEMV tiles (BLOCK_M 1) follow the same switch, in float32.
 gate_up and down each carry their own format, so one expert version may hold int2 gate_up with int4
@@ -68,11 +75,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_moe_config import KernelConfig, config_for, t_bucket
+from .fused_moe_config import GEMV_MAX_TOKENS, KernelConfig, config_for, t_bucket
 from ..residency.slot_table import MatrixFormat, Pool, PoolFormat
 
 # The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix).
-PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4, "v4": 5, "v5": 6}
+PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4, "v4": 5, "v5": 6, "v6": 7}
 PACKED_TILE = os.environ.get("MOETIDE_PACKED_TILE") or None  # set: every call's, for A/B runs
 if PACKED_TILE is not None and PACKED_TILE not in PACKED_TILES:
     raise ValueError(f"MOETIDE_PACKED_TILE must be one of {sorted(PACKED_TILES)}, got {PACKED_TILE!r}")
@@ -297,6 +304,53 @@ def _paired_product(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, r
 
 
 @triton.jit
+def _gemv_words(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, row_words, row_param, word_off,
+                scale_off, offset_off, offs_n, n_mask, k0, K: tl.constexpr, BITS: tl.constexpr,
+                GROUP: tl.constexpr, SUB_K: tl.constexpr):  # fmt: skip
+    """The GEMV tiles of v6: a[a_rows, k0 : k0 + SUB_K] . W[offs_n, same]^T (one group of a packed W,
+    a_rows one row) as (SUB_K // codes per word, BLOCK_N) float32 partial sums, whose column sums are
+    the product: the kernel accumulates them elementwise over the whole K loop and reduces once.
+
+    The tile is read as int32 words (as in `_paired_product`), word j holding codes j * W .. j * W + W - 1
+    (W = 32 // BITS), code c at bits c * BITS. A code is set into the mantissa of 1.0 at bit p by one
+    mask and OR (int2: two codes per shift, at p = 19 and 21; int4: one, at p = 19), and the float
+    m = 1 + code * 2^(p - 23) multiplies a' = a * 2^(23 - p): a' m - a' = a * code, exactly
+    but for float32 rounding of at most 2^(23 - p + 1) ulps. No int-to-float conversion, no
+    reduction inside the K loop; the group's scale s and offset o: a . w = s (a' . m - sum a') +
+    o sum a."""
+    WORD: tl.constexpr = 32 // BITS
+    PER_SHIFT: tl.constexpr = 2 if BITS == 2 else 1
+    WORDS_K: tl.constexpr = SUB_K // WORD
+    offs_w = k0 // WORD + tl.arange(0, WORDS_K)
+    w_ptrs = word_ptr + row * row_words + word_off + offs_n[None, :] * (K // WORD) + offs_w[:, None]
+    words = tl.load(w_ptrs, mask=n_mask[None, :], other=0)  # (WORDS_K, BLOCK_N)
+    params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
+    dot = tl.zeros((WORDS_K, offs_n.shape[0]), dtype=tl.float32)
+    a_scaled = tl.zeros((WORDS_K, 1), dtype=tl.float32)
+    a_plain = tl.zeros((WORDS_K, 1), dtype=tl.float32)
+    a_base = a_ptr + a_rows[None, :] * stride_a + (offs_w * WORD)[:, None]  # (WORDS_K, 1)
+    for q in tl.static_range(WORD // PER_SHIFT):
+        LOW: tl.constexpr = 23 - PER_SHIFT * BITS  # where code q * PER_SHIFT lands
+        SHIFT: tl.constexpr = LOW - BITS * PER_SHIFT * q
+        if SHIFT >= 0:
+            shifted = words << SHIFT
+        else:
+            shifted = words >> (-SHIFT)
+        for r in tl.static_range(PER_SHIFT):
+            P: tl.constexpr = LOW + r * BITS
+            FIELD: tl.constexpr = ((1 << BITS) - 1) << P
+            m = ((shifted & FIELD) | 0x3F800000).to(tl.float32, bitcast=True)
+            a = tl.load(a_base + (q * PER_SHIFT + r), mask=a_mask[None, :], other=0.0).to(tl.float32)
+            a_s = a * (1 << (23 - P))
+            dot += a_s * m
+            a_scaled += a_s
+            a_plain += a
+    scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)
+    offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)
+    return (dot - a_scaled) * scale[None, :] + a_plain * offset[None, :]
+
+
+@triton.jit
 def _code_pairs(words, BITS: tl.constexpr, BF16: tl.constexpr):
     """Words (N, Wk) int32, shifted so that the wanted field of bytes 0 / 1 sits at bit 0 and that of
     bytes 2 / 3 at bit 16 -> (N, 2 Wk) bf16 (BF16) or fp16 of 128 + code (1024 + code), joined index
@@ -315,12 +369,26 @@ def _code_pairs(words, BITS: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _accumulator(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
-    """A zero float32 tile: (BLOCK_M, BLOCK_N), or transposed (the SWAP products of v5)."""
-    if SWAP:
+def _accumulator(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr, ROWS: tl.constexpr = 0):
+    """A zero float32 tile: (BLOCK_M, BLOCK_N), or transposed (the SWAP products of v5), or (ROWS,
+    BLOCK_N) partial sums (ROWS > 0: v6's GEMV tiles, `_gemv_words`)."""
+    if ROWS > 0:
+        return tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    elif SWAP:
         return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _finish(acc, SWAP: tl.constexpr, ROWS: tl.constexpr):
+    """An accumulator of `_accumulator` -> (BLOCK_M, BLOCK_N)."""
+    if ROWS > 0:
+        return tl.sum(acc, axis=0)[None, :]
+    elif SWAP:
+        return tl.trans(acc)
+    else:
+        return acc
 
 
 @triton.jit
@@ -328,11 +396,13 @@ def _codes(fields, cdtype: tl.constexpr, MAGIC: tl.constexpr):
     """Unsigned codes (int32, 0..15) -> `cdtype`, exactly. MAGIC (v3), for bf16 / fp16: no int-to-float
     conversion, whose throughput on sm_90 is a quarter of an integer op's: OR the code into the
     mantissa of 128 (bf16: 0x4300 | c is 128 + c, its step there being 1; fp16: 0x6400 | c is
-    1024 + c), reinterpret the bits, subtract the constant (exact)."""
+    1024 + c; float32, the GEMV tiles': 2^23), reinterpret the bits, subtract the constant (exact)."""
     if MAGIC and cdtype == tl.bfloat16:
         return ((fields | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0).to(tl.bfloat16)
     elif MAGIC and cdtype == tl.float16:
         return ((fields | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
+    elif MAGIC and cdtype == tl.float32:  # the GEMV tiles' codes: 0x4B000000 | c is 2^23 + c
+        return (fields | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     else:
         return fields.to(cdtype)
 
@@ -360,8 +430,10 @@ WAIT_SPINS = tl.constexpr(1 << 22)  # reads of a landed word a program waits at 
 
 @triton.jit
 def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
-                wait_ptr, landed_ptr, BLOCK_M: tl.constexpr, WAIT: tl.constexpr):  # fmt: skip
-    """This program's block: (runs here?, pool row, sorted positions (BLOCK_M,), pairs, pair mask).
+                wait_ptr, landed_ptr, BLOCK_M: tl.constexpr, WAIT: tl.constexpr, ONE_PAIR: tl.constexpr):  # fmt: skip
+    """This program's block: (runs here?, pool row, scratch rows of h (BLOCK_M,), pairs, pair mask).
+    ONE_PAIR: every pair is its own block (no sort; `block_expert_ptr` holds the router's ids): the
+    block's first row is pair `program_id(0)`, the others are masked, and h is indexed by pair.
     The row is read from this pool's row of the slot table (`slot_stride` = E, or 0 for one row).
     WAIT >= 0 (the launch for the pool the landed words are for, whose id it is): the expert's
     `wait_ptr` word, when not 0, is the number of a copy into its row still in flight when the table
@@ -379,12 +451,62 @@ def _block_rows(block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_
             spins = 0
             while (tl.load(landed_ptr + row, volatile=True) != want) & (spins < WAIT_SPINS):
                 spins += 1
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if BLOCK_M == 1:  # GEMV tiles: program = pair, its expert the router's id (`align_pairs`)
-        pair = offs_m
+    if ONE_PAIR:  # GEMV tiles, or a few tokens' dot tiles: program = pair, its expert the router's id
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+        h_rows = pair
     else:
-        pair = tl.load(sorted_pair_ptr + offs_m)
-    return runs, row, offs_m.to(tl.int64), pair.to(tl.int64), pair < num_pairs
+        h_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_pair_ptr + h_rows)
+    return runs, row, h_rows.to(tl.int64), pair.to(tl.int64), pair < num_pairs
+
+
+@triton.jit
+def _k_tile_products(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param, data_off,
+                     scale_off, offset_off, offs_n, n_mask, second_n, k0, K: tl.constexpr, BITS: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, SUB_K: tl.constexpr, PACKED: tl.constexpr,
+                     TWO: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """The products of a[a_rows, k0 : k0 + SUB_K] with one K-sub-tile of W (inside one group of a
+    packed W), for the columns offs_n and, TWO (gate and up), offs_n + second_n: (first, second)
+    float32 (BLOCK_M, BLOCK_N), transposed for v5; not TWO: (first, first). The tile product is the
+    one `PACKED` names (v4 / v5 only for dot tiles; the GEMV tiles take v3 for them)."""
+    PAIRS: tl.constexpr = BITS < 8 and PACKED >= 5 and BLOCK_M > 1
+    if BITS < 8 and PACKED == 7 and BLOCK_M == 1:  # v6's GEMV tiles: partial sums (`_gemv_words`)
+        first = _gemv_words(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param,
+                            data_off, scale_off, offset_off, offs_n, n_mask, k0, K, BITS, GROUP, SUB_K)  # fmt: skip
+        second = first
+        if TWO:
+            second = _gemv_words(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param,
+                                 data_off, scale_off, offset_off, offs_n + second_n, n_mask, k0, K, BITS, GROUP,
+                                 SUB_K)  # fmt: skip
+    elif PAIRS:  # v4 / v5 (v6's dot tiles are v5's)
+        first = _paired_product(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param,
+                                data_off, scale_off, offset_off, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_M, SUB_K,
+                                PACKED >= 6, DOT_PRECISION)  # fmt: skip
+        second = first
+        if TWO:
+            second = _paired_product(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data,
+                                     row_param, data_off, scale_off, offset_off, offs_n + second_n, n_mask, k0, K,
+                                     BITS, GROUP, BLOCK_M, SUB_K, PACKED >= 6, DOT_PRECISION)  # fmt: skip
+    elif BITS < 8 and PACKED > 1:  # v2 / v2i / v3: one activation tile and its row sums for both
+        a, a_sum = _act_tile(a_ptr, a_rows, stride_a, a_mask, k0, K, SUB_K)
+        first = _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off,
+                                offset_off, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_M, SUB_K, PACKED,
+                                DOT_PRECISION)  # fmt: skip
+        second = first
+        if TWO:
+            second = _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
+                                     scale_off, offset_off, offs_n + second_n, n_mask, k0, K, BITS, GROUP,
+                                     BLOCK_M, SUB_K, PACKED, DOT_PRECISION)  # fmt: skip
+    else:  # dense, or v1
+        first = _tile_product(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param,
+                              data_off, scale_off, offset_off, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_M, SUB_K,
+                              DOT_PRECISION)  # fmt: skip
+        second = first
+        if TWO:
+            second = _tile_product(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data,
+                                   row_param, data_off, scale_off, offset_off, offs_n + second_n, n_mask, k0, K,
+                                   BITS, GROUP, BLOCK_M, SUB_K, DOT_PRECISION)  # fmt: skip
+    return first, second
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one compile for every T of a tile bucket
@@ -416,54 +538,40 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
     PACKED: tl.constexpr,
     WAIT: tl.constexpr,
+    ONE_PAIR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """h[sorted position] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T)."""
-    runs, row, offs_m, pair, m_mask = _block_rows(
+    """h[scratch row] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T). The K loop takes
+    BLOCK_K per step (several groups of a packed W: their loads issued together), as SUB_K-wide
+    products (one group each)."""
+    runs, row, h_rows, pair, m_mask = _block_rows(
         block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
-        wait_ptr, landed_ptr, BLOCK_M, WAIT
+        wait_ptr, landed_ptr, BLOCK_M, WAIT, ONE_PAIR
     )
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
         token = pair // TOP_K
-        PAIRS: tl.constexpr = BITS < 8 and PACKED >= 5 and BLOCK_M > 1  # v4 / v5 (GEMV tiles: v3)
-        SWAP: tl.constexpr = PAIRS and PACKED == 6
-        acc_gate = _accumulator(BLOCK_M, BLOCK_N, SWAP)
-        acc_up = _accumulator(BLOCK_M, BLOCK_N, SWAP)
-        dtype = x_ptr.dtype.element_ty
+        SWAP: tl.constexpr = BITS < 8 and PACKED >= 6 and BLOCK_M > 1  # v5, v6
+        ROWS: tl.constexpr = SUB_K * BITS // 32 if BITS < 8 and PACKED == 7 and BLOCK_M == 1 else 0  # v6 GEMV
+        acc_gate = _accumulator(BLOCK_M, BLOCK_N, SWAP, ROWS)
+        acc_up = _accumulator(BLOCK_M, BLOCK_N, SWAP, ROWS)
         for k0 in range(0, HIDDEN, BLOCK_K):
-            if PAIRS:
-                acc_gate += _paired_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
-                                            row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, HIDDEN,
-                                            BITS, GROUP, BLOCK_M, BLOCK_K, SWAP, DOT_PRECISION)  # fmt: skip
-                acc_up += _paired_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
-                                          row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask, k0,
-                                          HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K, SWAP, DOT_PRECISION)  # fmt: skip
-            elif BITS < 8 and PACKED > 1:  # v2 / v2i / v3: one activation tile and its row sums for gate and up
-                a, a_sum = _act_tile(x_ptr, token, stride_x, m_mask, k0, HIDDEN, BLOCK_K)
-                acc_gate += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
-                                            scale_off, offset_off, offs_n, n_mask, k0, HIDDEN, BITS, GROUP,
-                                            BLOCK_M, BLOCK_K, PACKED, DOT_PRECISION)  # fmt: skip
-                acc_up += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
-                                          scale_off, offset_off, offs_n + INTER, n_mask, k0, HIDDEN, BITS,
-                                          GROUP, BLOCK_M, BLOCK_K, PACKED, DOT_PRECISION)  # fmt: skip
-            else:
-                acc_gate += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row,
-                                          row_data, row_param, data_off, scale_off, offset_off, offs_n,
-                                          n_mask, k0, HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K,
-                                          DOT_PRECISION)  # fmt: skip
-                acc_up += _tile_product(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
-                                        row_param, data_off, scale_off, offset_off, offs_n + INTER, n_mask,
-                                        k0, HIDDEN, BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
-        if SWAP:
-            acc_gate = tl.trans(acc_gate)
-            acc_up = tl.trans(acc_up)
+            for kk in tl.static_range(0, BLOCK_K, SUB_K):
+                gate, up = _k_tile_products(x_ptr, token, stride_x, m_mask, data_ptr, param_ptr, row, row_data,
+                                            row_param, data_off, scale_off, offset_off, offs_n, n_mask, INTER,
+                                            k0 + kk, HIDDEN, BITS, GROUP, BLOCK_M, SUB_K, PACKED, True,
+                                            DOT_PRECISION)  # fmt: skip
+                acc_gate += gate
+                acc_up += up
+        acc_gate = _finish(acc_gate, SWAP, ROWS)
+        acc_up = _finish(acc_up, SWAP, ROWS)
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up
-        h_ptrs = h_ptr + offs_m[:, None] * INTER + offs_n[None, :]
-        tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+        h_ptrs = h_ptr + h_rows[:, None] * INTER + offs_n[None, :]
+        tl.store(h_ptrs, h.to(x_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one compile for every T of a tile bucket
@@ -494,37 +602,32 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,
     PACKED: tl.constexpr,
     WAIT: tl.constexpr,
+    ONE_PAIR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """y[pair] (BLOCK_N columns) = routing[pair] * (h[sorted position] @ Wd^T), float32."""
-    runs, row, offs_m, pair, m_mask = _block_rows(
+    """y[pair] (BLOCK_N columns) = routing[pair] * (h[scratch row] @ Wd^T), float32; K loop as in
+    `_gate_up_kernel`."""
+    runs, row, h_rows, pair, m_mask = _block_rows(
         block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
-        wait_ptr, landed_ptr, BLOCK_M, WAIT
+        wait_ptr, landed_ptr, BLOCK_M, WAIT, ONE_PAIR
     )
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < HIDDEN
-        PAIRS: tl.constexpr = BITS < 8 and PACKED >= 5 and BLOCK_M > 1
-        SWAP: tl.constexpr = PAIRS and PACKED == 6
-        acc = _accumulator(BLOCK_M, BLOCK_N, SWAP)
+        SWAP: tl.constexpr = BITS < 8 and PACKED >= 6 and BLOCK_M > 1
+        ROWS: tl.constexpr = SUB_K * BITS // 32 if BITS < 8 and PACKED == 7 and BLOCK_M == 1 else 0
+        acc = _accumulator(BLOCK_M, BLOCK_N, SWAP, ROWS)
         for k0 in range(0, INTER, BLOCK_K):
-            if PAIRS:
-                acc += _paired_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data, row_param,
-                                       data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP,
-                                       BLOCK_M, BLOCK_K, SWAP, DOT_PRECISION)  # fmt: skip
-            elif BITS < 8 and PACKED > 1:
-                a, a_sum = _act_tile(h_ptr, offs_m, INTER, m_mask, k0, INTER, BLOCK_K)
-                acc += _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off,
-                                       scale_off, offset_off, offs_n, n_mask, k0, INTER, BITS, GROUP, BLOCK_M,
-                                       BLOCK_K, PACKED, DOT_PRECISION)  # fmt: skip
-            else:
-                acc += _tile_product(h_ptr, offs_m, INTER, m_mask, data_ptr, param_ptr, row, row_data,
-                                     row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, INTER,
-                                     BITS, GROUP, BLOCK_M, BLOCK_K, DOT_PRECISION)  # fmt: skip
-        if SWAP:
-            acc = tl.trans(acc)
+            for kk in tl.static_range(0, BLOCK_K, SUB_K):
+                part, _ = _k_tile_products(h_ptr, h_rows, INTER, m_mask, data_ptr, param_ptr, row, row_data,
+                                           row_param, data_off, scale_off, offset_off, offs_n, n_mask, 0, k0 + kk,
+                                           INTER, BITS, GROUP, BLOCK_M, SUB_K, PACKED, False,
+                                           DOT_PRECISION)  # fmt: skip
+                acc += part
+        acc = _finish(acc, SWAP, ROWS)
         weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
         y_ptrs = y_ptr + pair[:, None] * HIDDEN + offs_n[None, :]
         tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
@@ -598,26 +701,52 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
-def _reduce_kernel(y_ptr, out_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_j y[t * k + j] (float32, in j order), stored in out's dtype: grid (T, H / BLOCK)."""
+def _reduce_kernel(y_ptr, out_ptr, ids_ptr, pool_of_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
+    """out[t] = sum_j y[t * k + j] (float32, in j order) over the pairs whose expert has a version
+    (`pool_of` >= 0; the others' rows of y are never written), stored in out's dtype: grid (T, H / BLOCK)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + cols, mask=cols < HIDDEN, other=0.0)
+        ran = tl.load(pool_of_ptr + tl.load(ids_ptr + t * TOP_K + j)) >= 0
+        acc += tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + cols, mask=cols < tl.where(ran, HIDDEN, 0), other=0.0)
     tl.store(out_ptr + t * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HIDDEN)
 
 
-def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, config, packed_tile: str,
+def _pair_outputs(num_pairs: int, hidden_size: int, device) -> torch.Tensor:
+    """y (P, H) float32, unfilled: the down launches write the rows of every pair that has a version,
+    and the reduce reads no other row."""
+    return torch.empty(num_pairs, hidden_size, device=device, dtype=torch.float32)
+
+
+def k_tiles(block_k: int, matrix: MatrixFormat, k: int) -> tuple[int, int]:
+    """(BLOCK_K, SUB_K) of one projection whose reduction length is `k`: a dense matrix takes
+    `block_k` whole; a packed one takes the largest power of two <= block_k that divides k (a K-step
+    may span several groups, never past the row), as products of SUB_K <= its group size."""
+    if not matrix.packed:
+        return block_k, block_k
+    step = min(block_k, k)
+    while k % step:
+        step //= 2
+    return step, min(step, matrix.group_size)
+
+
+def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, k: int, config, packed_tile: str,
                    **args):  # fmt: skip
-    """One launch of `kernel` over `pool`'s rows for one projection (`matrix`), its tiles from `config`
-    and, if packed, its tile product from `packed_tile` (a `PACKED_TILES` name)."""
+    """One launch of `kernel` over `pool`'s rows for one projection (`matrix`, reduction length `k`), its
+    tiles from `config` and, if packed, its tile product from `packed_tile` (a `PACKED_TILES` name)."""
     data, data_off = pool.data_view(matrix), matrix.data_offset
     params = pool.param_view()
-    block_k = config.block_k if not matrix.packed else min(config.block_k, matrix.group_size)
-    if matrix.packed and PACKED_TILES[packed_tile] >= 5 and config.block_m > 1:
-        if _paired_codes(args["h_ptr"].dtype) and pool.arena.shape[1] % 4 == 0 and data_off % 4 == 0:
-            data, data_off = pool.arena.view(torch.int32), data_off // 4  # v4 / v5 read int32 words
+    block_k, sub_k = k_tiles(config.block_k, matrix, k)
+    if matrix.packed and PACKED_TILES[packed_tile] >= 5:  # v4 / v5 / v6 read int32 words, where they can
+        words = pool.arena.shape[1] % 4 == 0 and data_off % 4 == 0
+        if config.block_m > 1:  # codes set into bf16 / fp16 pairs
+            words = words and _paired_codes(args["h_ptr"].dtype)
+        else:  # GEMV tiles: v6's own (any activation dtype), v4 / v5 are v3 there
+            words = words and packed_tile == "v6" and sub_k % (32 // matrix.bits) == 0
+        if words:
+            data, data_off = pool.arena.view(torch.int32), data_off // 4
         else:
             packed_tile = "v3"
     kernel[grid](
@@ -634,6 +763,7 @@ def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat,
         GROUP=max(matrix.group_size, 1),
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
+        SUB_K=sub_k,
         PACKED=PACKED_TILES[packed_tile] if matrix.packed else 0,  # one compiled dense kernel for all
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -647,10 +777,10 @@ def _paired_codes(dtype: torch.dtype) -> bool:
 
 
 def _fits_dot(config: KernelConfig, fmt: PoolFormat) -> bool:
-    """tl.dot needs 16 bytes of packed codes per K-tile; groups smaller than that (tiles lie inside
-    one group) leave only the GEMV tiles (block_m 1), which take any tile width."""
-    for m in (fmt.gate_up, fmt.down):
-        if m.packed and config.block_m > 1 and min(config.block_k, m.group_size) * m.bits // 8 < 16:
+    """tl.dot needs 16 bytes of packed codes per product; groups smaller than that (a product lies
+    inside one group) leave only the GEMV tiles (block_m 1), which take any tile width."""
+    for m, k in ((fmt.gate_up, fmt.hidden_size), (fmt.down, fmt.intermediate_size)):
+        if m.packed and config.block_m > 1 and k_tiles(config.block_k, m, k)[1] * m.bits // 8 < 16:
             return False
     return True
 
@@ -715,10 +845,11 @@ def fused_moe(
         raise ValueError(f"hidden {tuple(hidden.shape)} does not fit the pools' H={fmt.hidden_size}")
     configs = pool_configs(num_tokens, pools, config)
     block_m = next(c for c in configs if c is not None).block_m
+    one_pair = block_m == 1 or num_tokens <= GEMV_MAX_TOKENS  # each pair its own block: no sort
     hidden = hidden.contiguous()
-    sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), block_m)
+    sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), 1 if one_pair else block_m)
     h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)
-    y = torch.zeros(num_pairs, hidden_size, device=hidden.device, dtype=torch.float32)
+    y = _pair_outputs(num_pairs, hidden_size, hidden.device)
     routing = topk_weights.contiguous().reshape(-1)
     blocks = block_expert.numel()
     dot_precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # no TF32 rounding of fp32
@@ -732,6 +863,7 @@ def fused_moe(
         HIDDEN=hidden_size,
         INTER=inter,
         BLOCK_M=block_m,
+        ONE_PAIR=one_pair,
         DOT_PRECISION=dot_precision,
         wait_ptr=waits[0] if waits is not None else pool_of,  # (unread when WAIT is -1)
         landed_ptr=waits[1] if waits is not None else pool_of,
@@ -743,11 +875,12 @@ def fused_moe(
         tile = packed_tile or PACKED_TILE or config.packed_tile
         common["WAIT"] = pool_id if waits is not None and pool_id == waits[2] else -1  # only its pool waits
         _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
-                       f.gate_up, config, tile, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
+                       f.gate_up, hidden_size, config, tile, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
                        TOP_K=top_k, **common)  # fmt: skip
         _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
-                       f.down, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
+                       f.down, inter, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
                        **common)  # fmt: skip
     out = torch.empty_like(hidden)
-    _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, 1024))](y, out, TOP_K=top_k, HIDDEN=hidden_size, BLOCK=1024)
+    _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, 1024))](y, out, topk_ids.reshape(-1), pool_of, TOP_K=top_k,
+                                                                 HIDDEN=hidden_size, BLOCK=1024)  # fmt: skip
     return out

@@ -16,14 +16,15 @@ from pathlib import Path
 
 TABLE_PATH = Path(__file__).with_name("fused_moe_configs.json")
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-GEMV_MAX_TOKENS = 2  # up to this many tokens, every pair is its own block (no sort, GEMV tiles)
+GEMV_MAX_TOKENS = 2  # up to this many tokens, every pair is its own block (no sort), GEMV tiles by default
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """block_m rows per block (1 = GEMV), block_n output columns, block_k reduction tile (clamped to
-    the group size of packed matrices), warps and pipeline stages per program, and the tile product
-    of packed matrices (`fused_moe.PACKED_TILES`; dense ones ignore it)."""
+    """block_m rows per block (1 = GEMV), block_n output columns, block_k the K-step of the reduction
+    loop (for packed matrices: it may span several groups, computed as one product per group, and is
+    cut to divide the row; `fused_moe.k_tiles`), warps and pipeline stages per program, and the tile
+    product of packed matrices (`fused_moe.PACKED_TILES`; dense ones ignore it)."""
 
     block_m: int = 16
     block_n: int = 64
