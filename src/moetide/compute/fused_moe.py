@@ -329,19 +329,16 @@ def _gemv_words(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, row_w
     a_scaled = tl.zeros((WORDS_K, 1), dtype=tl.float32)
     a_plain = tl.zeros((WORDS_K, 1), dtype=tl.float32)
     a_base = a_ptr + a_rows[None, :] * stride_a + (offs_w * WORD)[:, None]  # (WORDS_K, 1)
-    for q in tl.static_range(WORD // PER_SHIFT):
-        LOW: tl.constexpr = 23 - PER_SHIFT * BITS  # where code q * PER_SHIFT lands
-        SHIFT: tl.constexpr = LOW - BITS * PER_SHIFT * q
-        if SHIFT >= 0:
-            shifted = words << SHIFT
+    LOW: tl.constexpr = 23 - PER_SHIFT * BITS  # the bit where code q * PER_SHIFT lands
+    for q in tl.static_range(WORD // PER_SHIFT):  # (constexprs cannot be named inside a static loop)
+        if LOW >= BITS * PER_SHIFT * q:
+            shifted = words << (LOW - BITS * PER_SHIFT * q)
         else:
-            shifted = words >> (-SHIFT)
-        for r in tl.static_range(PER_SHIFT):
-            P: tl.constexpr = LOW + r * BITS
-            FIELD: tl.constexpr = ((1 << BITS) - 1) << P
-            m = ((shifted & FIELD) | 0x3F800000).to(tl.float32, bitcast=True)
+            shifted = words >> (BITS * PER_SHIFT * q - LOW)
+        for r in tl.static_range(PER_SHIFT):  # code q * PER_SHIFT + r, at bit p = LOW + r * BITS
+            m = ((shifted & (((1 << BITS) - 1) << (LOW + r * BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
             a = tl.load(a_base + (q * PER_SHIFT + r), mask=a_mask[None, :], other=0.0).to(tl.float32)
-            a_s = a * (1 << (23 - P))
+            a_s = a * (1 << (23 - LOW - r * BITS))
             dot += a_s * m
             a_scaled += a_s
             a_plain += a
