@@ -27,10 +27,11 @@ tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & ma
 gptq/awq kernel). A K-step of the loop (BLOCK_K) may span several groups of a packed matrix, its
 loads issued together; it is computed as products of SUB_K <= the group size (`k_tiles`), so each
 output column has one float16 scale s and offset o per product. Seven tile products, picked per
-(T bucket, format) by the tile table (`KernelConfig.packed_tile`), or for every call by MOETIDE_PACKED_TILE, or per call
-(`fused_moe(packed_tile=...)`); measured against each other on the H200 (`scripts/tune_fused_moe.py
---variants`, BENCHMARKS.md §0d, §0f), the table picks each cell's fastest (`fused_moe_configs.json`);
-v2i was never clearly faster and stays for comparison only:
+(T bucket, format) by the tile table (`KernelConfig.packed_tile`), or for every call by
+MOETIDE_PACKED_TILE, or per call (`fused_moe(packed_tile=...)`); measured against each other on the
+H200 (`scripts/tune_fused_moe.py --variants`, BENCHMARKS.md §0d, §0f, §0h), the table picks each
+cell's fastest (`fused_moe_configs.json`); v2i was never clearly faster and stays for comparison
+only:
   v1   every weight dequantized in float32 (c * s + o) and rounded to the activation dtype, each bit
        field dotted with its strided slice of the activations, loaded from memory once per field
        (`_tile_product`): the reference's rounding.
@@ -49,10 +50,11 @@ v2i was never clearly faster and stays for comparison only:
        (`_paired_product`); the table's for int2 at T = 8. bf16 / fp16 activations only (others v3).
   v5   as v4, computing W_tile @ a^T (the unpacked codes as the MMA's first operand); the table's
        for int2 at T = 32 and 128. At GEMV tiles v4 and v5 are v3.
-  v6   GEMV tiles: int32 words, each code set into the mantissa of 1.0 by one mask and OR (int2: two
-       codes per shift) and multiplied with its activation scaled to match, into partial sums that
-       are reduced once after the K loop (`_gemv_words`): no int-to-float conversion and no
-       reduction per K-step, whatever the activation dtype. Dot tiles: v5.
+  v6   GEMV tiles: int32 words, each code set into the mantissa of 1.0 by one mask and OR (int2:
+       two codes per shift) and multiplied with its activation scaled to match, into partial sums
+       that are reduced once after the K loop (`_gemv_words`): no int-to-float conversion and no
+       reduction per K-step, whatever the activation dtype; the table's for int2 and int4 at T = 1.
+       Dot tiles: v5.
 v2 to v6 round no weight: their results differ from the reference (which rounds the dequantized
 weights to the activation dtype before its matmul) by that rounding, ~2^-9 relative per weight for
 bf16 activations, none for float32. The GEMV tiles (BLOCK_M 1) follow the same switch, in float32.
@@ -464,8 +466,9 @@ def _k_tile_products(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, 
                      TWO: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """The products of a[a_rows, k0 : k0 + SUB_K] with one K-sub-tile of W (inside one group of a
     packed W), for the columns offs_n and, TWO (gate and up), offs_n + second_n: (first, second)
-    float32 (BLOCK_M, BLOCK_N), transposed for v5; not TWO: (first, first). The tile product is the
-    one `PACKED` names (v4 / v5 only for dot tiles; the GEMV tiles take v3 for them)."""
+    float32 (BLOCK_M, BLOCK_N), transposed for v5 / v6's dot tiles, (SUB_K // codes per word, BLOCK_N)
+    partial sums for v6's GEMV tiles; not TWO: (first, first). The tile product is the one `PACKED`
+    names (the launcher hands the GEMV tiles v3 for v4 / v5)."""
     PAIRS: tl.constexpr = BITS < 8 and PACKED >= 5 and BLOCK_M > 1
     if BITS < 8 and PACKED == 7 and BLOCK_M == 1:  # v6's GEMV tiles: partial sums (`_gemv_words`)
         first = _gemv_words(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param,
