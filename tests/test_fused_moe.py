@@ -153,6 +153,8 @@ def test_fused_kernel_packed_tile_products(kernel, packed_tile, dtype, num_token
     # under the interpreter bf16 codes take v2's float32 path (its bf16 arithmetic is wrong)
     if not CUDA and dtype == torch.bfloat16 and packed_tile in ("v2i", "v3", "v4", "v5", "v6"):
         pytest.skip("CUDA only: under the interpreter the same path as v2's bf16 case")
+    if not CUDA and packed_tile == "v6" and num_tokens > 1:
+        pytest.skip("CUDA only: under the interpreter v6's dot tiles are v5's (float16) or v3's (float32) case")
     hidden_size, inter = 128, 64
     pools = [
         make_pool(3, inter, hidden_size, "hi", dtype, seed=1),
@@ -209,15 +211,16 @@ def test_fused_kernel_ladder_table_reads_its_middle_pool(kernel, num_tokens):
 
 @pytest.mark.parametrize("precision", ["int4", "int2"])
 @pytest.mark.parametrize(
-    "config", [KernelConfig(1, 16, 32), KernelConfig(1, 32, 64), KernelConfig(16, 32, 64), KernelConfig(32, 16, 16)]
-)
-@pytest.mark.parametrize("num_tokens", [2, 5])
-@pytest.mark.parametrize("packed_tile", [None, "v6"])
+    "config,num_tokens,packed_tile",
+    [(KernelConfig(1, 16, 32), 5, None), (KernelConfig(16, 32, 64), 5, None), (KernelConfig(32, 16, 16), 5, None),
+     (KernelConfig(1, 32, 64), 2, "v6"), (KernelConfig(16, 32, 64), 2, None)],
+)  # fmt: skip
 def test_fused_kernel_tiles(kernel, precision, config, num_tokens, packed_tile):
     """Every tile shape computes the same function: K-steps of one group (16, 32) or two (64: gate_up's
     K is 64, down's 32, cut to 32), GEMV tiles (the table's product, and v6's partial sums, whose
     words hold 16 int2 / 8 int4 codes: 2 or 4 words per group), and dot tiles over sorted blocks
-    (5 tokens) or over one-pair blocks (2 tokens, no sort)."""
+    (5 tokens) or over one-pair blocks (2 tokens, no sort; int2's 64-wide steps of 32-code groups
+    leave it GEMV tiles)."""
     pools = [make_pool(E, I, H, precision, torch.float32, seed=4, group_size=32)]
     pool_of = torch.arange(E, dtype=torch.int32, device=kernel_device())
     slot_of = torch.arange(E - 1, -1, -1, dtype=torch.int32, device=kernel_device())
@@ -381,3 +384,35 @@ def test_fused_kernel_waits_for_a_copy_in_flight(kernel, num_tokens):
         out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, [pool], waits=(wait_of, landed, 0))
     assert torch.equal(pool.arena[row], saved)
     assert_close(out, want, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 33])
+def test_fused_kernel_with_programmatic_dependent_launch(kernel, num_tokens, monkeypatch):
+    """MOETIDE_PDL's launches (down and reduce scheduled while the launch before them runs, waiting on
+    the device for its output) compute the reference, eagerly and replayed in a CUDA graph, for a
+    table mixing a dense, an int2 and an int4 pool."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    monkeypatch.setattr(kernel, "PDL", True)
+    assert kernel._pdl_launches(torch.device("cuda"))
+    dtype = torch.bfloat16
+    pools = [make_pool(6, I, H, "hi", dtype), make_pool(5, I, H, "int2", dtype, seed=1),
+             make_pool(4, I, H, "int4", dtype, seed=2)]  # fmt: skip
+    pool_of, slot_of = table(E, [6, 5, 4], seed=num_tokens)
+    ids, weights = routing(num_tokens, E, TOP_K, dtype, seed=num_tokens)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(3)).to(dtype).cuda()
+    ref = reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu)
+    assert_close(kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools), ref, dtype)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    hidden.copy_(torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(4)).to(dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), dtype)

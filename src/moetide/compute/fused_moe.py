@@ -63,6 +63,10 @@ down. Mixed precision inside a layer costs one launch pair per pool over the sam
 alternative, one launch with a per-block format, would compile every format pair into one kernel;
 see BENCHMARKS.md for the measurement).
 
+MOETIDE_PDL=1 (`PDL`) launches down and reduce as programmatic dependents of the launch before each
+(sm_90+): scheduled while it finishes, each waits on the device (`gdc_wait`) before reading its input.
+Off by default: an A/B switch, not yet measured against the plain launches.
+
 Import this module only where triton is installed; on CPU it runs under Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported), which the tests use.
 """
@@ -85,6 +89,10 @@ PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4, "v4": 5, "v5": 6, "v6": 7}
 PACKED_TILE = os.environ.get("MOETIDE_PACKED_TILE") or None  # set: every call's, for A/B runs
 if PACKED_TILE is not None and PACKED_TILE not in PACKED_TILES:
     raise ValueError(f"MOETIDE_PACKED_TILE must be one of {sorted(PACKED_TILES)}, got {PACKED_TILE!r}")
+# MOETIDE_PDL=1: the down and reduce launches use programmatic dependent launch on sm_90+ (each may be
+# scheduled while the launch before it finishes, and waits on the device before reading its input);
+# off by default until measured (an A/B switch for the tuner and the decode benchmarks)
+PDL = os.environ.get("MOETIDE_PDL") == "1"
 
 
 @triton.jit
@@ -543,10 +551,13 @@ def _gate_up_kernel(
     WAIT: tl.constexpr,
     ONE_PAIR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     """h[scratch row] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T). The K loop takes
     BLOCK_K per step (several groups of a packed W: their loads issued together), as SUB_K-wide
-    products (one group each)."""
+    products (one group each). USE_GDC: the down launch after it may be scheduled at once (`PDL`)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
     runs, row, h_rows, pair, m_mask = _block_rows(
         block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
         wait_ptr, landed_ptr, BLOCK_M, WAIT, ONE_PAIR
@@ -607,13 +618,18 @@ def _down_kernel(
     WAIT: tl.constexpr,
     ONE_PAIR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     """y[pair] (BLOCK_N columns) = routing[pair] * (h[scratch row] @ Wd^T), float32; K loop as in
-    `_gate_up_kernel`."""
+    `_gate_up_kernel`. USE_GDC (launched as a programmatic dependent of the gate_up launch): h is read
+    only after the gate_up launch has finished (`gdc_wait`)."""
     runs, row, h_rows, pair, m_mask = _block_rows(
         block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
         wait_ptr, landed_ptr, BLOCK_M, WAIT, ONE_PAIR
     )
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < HIDDEN
@@ -702,9 +718,12 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 @triton.jit
 def _reduce_kernel(y_ptr, out_ptr, ids_ptr, pool_of_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
-                   BLOCK: tl.constexpr):  # fmt: skip
+                   BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):  # fmt: skip
     """out[t] = sum_j y[t * k + j] (float32, in j order) over the pairs whose expert has a version
-    (`pool_of` >= 0; the others' rows of y are never written), stored in out's dtype: grid (T, H / BLOCK)."""
+    (`pool_of` >= 0; the others' rows of y are never written), stored in out's dtype: grid (T, H / BLOCK).
+    USE_GDC: y is read after the down launch before has finished (`gdc_wait`)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -868,6 +887,7 @@ def fused_moe(
         wait_ptr=waits[0] if waits is not None else pool_of,  # (unread when WAIT is -1)
         landed_ptr=waits[1] if waits is not None else pool_of,
     )
+    pdl = dict(USE_GDC=True, launch_pdl=True) if _pdl_launches(hidden.device) else {}
     for pool_id, pool in enumerate(pools):
         if pool is None:  # a pool without slots (no expert can point there)
             continue
@@ -876,11 +896,17 @@ def fused_moe(
         common["WAIT"] = pool_id if waits is not None and pool_id == waits[2] else -1  # only its pool waits
         _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
                        f.gate_up, hidden_size, config, tile, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
-                       TOP_K=top_k, **common)  # fmt: skip
+                       TOP_K=top_k, USE_GDC=bool(pdl), **common)  # fmt: skip
         _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
                        f.down, inter, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
-                       **common)  # fmt: skip
+                       **pdl, **common)  # fmt: skip
     out = torch.empty_like(hidden)
     _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, 1024))](y, out, topk_ids.reshape(-1), pool_of, TOP_K=top_k,
-                                                                 HIDDEN=hidden_size, BLOCK=1024)  # fmt: skip
+                                                                 HIDDEN=hidden_size, BLOCK=1024, **pdl)  # fmt: skip
     return out
+
+
+def _pdl_launches(device: torch.device) -> bool:
+    """Whether the down and reduce launches are programmatic dependents of the launch before them
+    (`PDL`, read per call): compiled kernels on sm_90 or later only."""
+    return PDL and not _WIDEN_DOT and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
