@@ -224,6 +224,7 @@ def main() -> int:
     rows, table, failed = [], {}, False
     for fmt in formats:
         pool = pools[fmt]
+        packed = pool.format.gate_up.packed or pool.format.down.packed  # else no tile product
         for t in tokens:
             inputs = layer_inputs(t, hidden, experts, top_k)
             chosen = fm.config_for(t, hidden, inter, pool.format.name)
@@ -234,7 +235,7 @@ def main() -> int:
             v1_ref_err = rel_err(v1_out, ref)
             key = table_key(t, hidden, inter, pool.format.name)
             if args.tune and args.table_variant == "best":  # the table's own entry is the one to beat
-                own = chosen.packed_tile if pool.format.gate_up.packed or pool.format.down.packed else "v1"
+                own = chosen.packed_tile if packed else "v1"
                 table[key] = (chosen, v1_us if own == "v1" else time_layer(pool, inputs, chosen, own)[0])
             for variant in variants:
                 if variant == "v1":
@@ -242,7 +243,6 @@ def main() -> int:
                 else:
                     table_us, out = time_layer(pool, inputs, chosen, variant)
                 max_err = rel_err(out, v1_out)
-                packed = pool.format.gate_up.packed or pool.format.down.packed  # else no tile product
                 best, best_us, tried = chosen, table_us, 1
                 cell_end = time.perf_counter() + max(tune_deadline - time.perf_counter(), 0) / cells_left
                 cells_left -= 1

@@ -697,8 +697,8 @@ def aligned_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sort the (token, expert) pairs into blocks of `block_m` rows, each block one expert.
 
-    topk_ids (T, k) -> (sorted_pair (R,) int32: pair id t*k + j at each row, P where padding;
-    block_expert (R // block_m,) int32: each block's expert, -1 past the last block). R is
+    topk_ids (T, k), or flattened (P,) -> (sorted_pair (R,) int32: pair id t*k + j at each row, P
+    where padding; block_expert (R // block_m,) int32: each block's expert, -1 past the last block). R is
     `aligned_rows(P, E, block_m)`, so shapes depend on T only (graph capture) and nothing is read
     back on the host; one launch (`_align_kernel`), pairs of one expert in pair order. block_m == 1:
     no sort, every pair is its own block and both are the flat ids, which the kernels read as such."""
@@ -866,7 +866,8 @@ def fused_moe(
     block_m = next(c for c in configs if c is not None).block_m
     one_pair = block_m == 1 or num_tokens <= GEMV_MAX_TOKENS  # each pair its own block: no sort
     hidden = hidden.contiguous()
-    sorted_pair, block_expert = align_pairs(topk_ids, pool_of.numel(), 1 if one_pair else block_m)
+    flat_ids = topk_ids.reshape(-1).contiguous()  # pair p = t * k + j: the sort's input and the reduce's
+    sorted_pair, block_expert = align_pairs(flat_ids, pool_of.numel(), 1 if one_pair else block_m)
     h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)
     y = _pair_outputs(num_pairs, hidden_size, hidden.device)
     routing = topk_weights.contiguous().reshape(-1)
@@ -901,7 +902,7 @@ def fused_moe(
                        f.down, inter, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
                        **pdl, **common)  # fmt: skip
     out = torch.empty_like(hidden)
-    _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, 1024))](y, out, topk_ids.reshape(-1), pool_of, TOP_K=top_k,
+    _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, 1024))](y, out, flat_ids, pool_of, TOP_K=top_k,
                                                                  HIDDEN=hidden_size, BLOCK=1024, **pdl)  # fmt: skip
     return out
 
@@ -909,4 +910,6 @@ def fused_moe(
 def _pdl_launches(device: torch.device) -> bool:
     """Whether the down and reduce launches are programmatic dependents of the launch before them
     (`PDL`, read per call): compiled kernels on sm_90 or later only."""
-    return PDL and not _WIDEN_DOT and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if not PDL or _WIDEN_DOT or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
