@@ -73,7 +73,7 @@ def profile_policy(ckpt: Path, policy: str, args, compile_mode: str = "off") -> 
     events = prof.key_averages()
     by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60)
     by_cuda = (
-        events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60)
+        events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
         if torch.cuda.is_available()
         else ""
     )

@@ -91,6 +91,24 @@ def test_paged_kernel_splits_a_long_table_and_combines_the_splits(kernel):
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_paged_kernel_operator_compiles_into_one_graph_and_attends_as_the_function(kernel):
+    """`torch.ops.moetide.paged_decode_attention` traces without a graph break (its fake gives the
+    output's shape and dtype) and computes what `paged_decode_attention` does, for a strided query
+    (transformers' `(B, Hq, T, D)` sliced at T = 0): the compiled decode step's attention."""
+    query, keys, values, tables, lens, scale, want = _paged_case([9, 33], 4, 2, 16, torch.float32)
+    query_4d = query.unsqueeze(2).expand(-1, -1, 3, -1).contiguous()  # (B, Hq, T = 3, D)
+
+    def attend(q4):
+        return torch.ops.moetide.paged_decode_attention(q4[:, :, 0] * 1.0 + 0.0, keys, values, tables, lens,
+                                                        scale, BLOCK) * 2.0  # fmt: skip
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    got = compiled(query_4d)
+    assert got.shape == want.shape and got.dtype == query.dtype
+    torch.testing.assert_close(got.cpu() / 2.0, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, 2.0 * kernel.paged_decode_attention(query, keys, values, tables, lens, scale, BLOCK))
+
+
 def test_paged_kernel_refuses_heads_it_does_not_take(kernel):
     query, keys, values, tables, lens, scale, _ = _paged_case([3], 4, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="power-of-two head dim"):

@@ -50,6 +50,7 @@ def assert_kernel_tests_passed(run: "InterpreterRun", test_file: str, minimum: i
 KERNEL_TESTS = {
     "test_fused_moe.py": "fused_kernel and not under_interpreter",
     "test_paged_attention.py": "paged_kernel and not under_interpreter",
+    "test_routing.py": "routing_kernel and not under_interpreter",
 }
 
 

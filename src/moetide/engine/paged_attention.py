@@ -188,3 +188,25 @@ def paged_decode_attention(
             HQ=query_heads, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), D=dim,
         )  # fmt: skip
     return out
+
+
+@torch.library.custom_op("moetide::paged_decode_attention", mutates_args=())
+def paged_decode_attention_op(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float,
+    block_size: int,
+) -> torch.Tensor:
+    """`paged_decode_attention` as an operator (`torch.ops.moetide.paged_decode_attention`): opaque to
+    `torch.compile`, so a compiled decode step attends straight from the pools, its kernels launched
+    where the compiled graph reaches the operator (no graph break: Inductor still fuses the work on
+    either side). `(B, Hq, D)`, a new tensor."""
+    return paged_decode_attention(query, keys, values, block_tables, lengths, scaling, block_size)
+
+
+@paged_decode_attention_op.register_fake
+def _paged_decode_attention_fake(query, keys, values, block_tables, lengths, scaling, block_size):
+    return query.new_empty(query.shape[0], query.shape[1], values.shape[-1])

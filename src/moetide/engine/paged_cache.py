@@ -189,12 +189,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    from .paged_attention import paged_decode_attention
+    from .paged_attention import paged_decode_attention_op
 
     step = _KERNEL_STEP
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     tables, lengths = step.block_tables, step.lengths
-    out = paged_decode_attention(query[:, :, 0], key, value, tables, lengths, scale, step.block_size)
+    out = paged_decode_attention_op(query[:, :, 0], key, value, tables, lengths, float(scale), step.block_size)
     return out.unsqueeze(1), None
 
 

@@ -43,6 +43,7 @@ class LoadedModel:
     dtype: torch.dtype
     act_fn: object  # the experts' activation, taken from transformers' experts module
     runtime: object = None  # the ExpertRuntime, once assembled
+    fused_routers: int = 0  # MoE blocks whose router runs the fused softmax + top-k (`compute/routing.py`)
     policy: object = None  # the policy object, for predictive policies
     policy_hooks: object = None
 
