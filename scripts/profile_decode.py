@@ -91,6 +91,7 @@ def profile_policy(ckpt: Path, policy: str, args, compile_mode: str = "off") -> 
     stream = io.StringIO()
     pstats.Stats(py, stream=stream).sort_stats("tottime").print_stats(16)
     snapshot = llm.metrics.snapshot()
+    kv, ahead = engine.kv_stats(), engine.ahead_steps
     llm.close()
     return {
         "policy": policy,
@@ -107,6 +108,8 @@ def profile_policy(ckpt: Path, policy: str, args, compile_mode: str = "off") -> 
         "kernels_by_device_time": by_cuda,
         "python_by_tottime": stream.getvalue()[:6000],
         "metrics": {k: v for k, v in snapshot.items() if k != "per_layer"},
+        "kv": kv,
+        "ahead_steps": ahead,
     }
 
 
