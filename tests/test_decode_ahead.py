@@ -125,3 +125,26 @@ def test_decode_ahead_on_cuda_graphs_gives_the_tokens_of_reading_every_step(poli
         finally:
             llm.close()
     assert out["auto"] == out["off"]
+
+
+def test_a_kv_pool_that_ends_full_runs_as_far_ahead_as_a_roomy_one():
+    """Ahead steps stop only where a decode needs a block the pool does not have: sequences whose last
+    tokens fill every block still chain each step, as in a pool with room to spare."""
+    params = moetide.SamplingParams(max_tokens=28, temperature=0, ignore_eos=True)
+    prompts = [[5 + i] * 20 for i in range(3)]  # 20 + 28 tokens each: 3 blocks, the last one full
+    runs = {}
+    for kv_tokens in (3 * 48, 16 * 48):
+        llm = moetide.LLM(policy="static-int2", device="cpu", gpu_memory="128MiB", max_model_len=64,
+                          kv_cache_tokens=kv_tokens)  # fmt: skip
+        try:
+            engine = llm.engine
+            assert engine.blocks.num_blocks == kv_tokens // 16
+            seqs = [engine.add_request(ids, params) for ids in prompts]
+            while engine.has_unfinished():
+                engine.step()
+            runs[kv_tokens] = ([s.output_ids for s in seqs], engine.ahead_steps)
+        finally:
+            llm.close()
+    (tight, tight_ahead), (roomy, roomy_ahead) = runs.values()
+    assert tight == roomy and all(len(ids) == 28 for ids in tight)
+    assert tight_ahead == roomy_ahead >= 20

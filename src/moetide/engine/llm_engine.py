@@ -321,14 +321,14 @@ class LLMEngine:
     def _can_chain(self) -> bool:
         """Whether the next step may be scheduled before the tokens sampled ahead are read: it is then
         a plain decode of the same sequences (no prompt to prefill or admit, no sequence ending on
-        its length, a free block for every running sequence: no preemption)."""
+        its length, a free block for every sequence whose next token starts one: no preemption)."""
         sched = self.scheduler
         live = [s for s in self._ahead.seqs if not s.finished]
         if not live or (sched.waiting and len(sched.running) < sched.max_num_seqs):
             return False
         if any(s.pending_tokens > 1 for s in sched.running) or not self._may_go_ahead(sched.running):
             return False
-        if self.blocks.num_available < len(sched.running):
+        if self.blocks.num_available < sched.decode_blocks_needed():
             return False
         return not any(
             len(s.output_ids) + s.ahead >= s.params.max_tokens or s.num_tokens >= self.max_model_len for s in live

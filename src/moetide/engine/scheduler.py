@@ -116,6 +116,10 @@ class Scheduler:
             self.running.remove(seq)
             self.release(seq)
 
+    def decode_blocks_needed(self) -> int:
+        """New blocks the running sequences' next decode takes: one for each whose next token starts one."""
+        return sum(max(0, self.blocks.blocks_for(s.num_tokens) - len(s.block_table)) for s in self.running)
+
     def used_block_bound(self) -> int:
         """Σ ceil(tokens / block_size) + 1 over running sequences: what the pool may hold in use."""
         return sum(self.blocks.blocks_for(s.num_tokens) + 1 for s in self.running)
