@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the fused MoE path: its tests, the per-layer kernel timings (and tuning),
 # then decode tok/s and prefill TTFT against transformers' static-cache generate. Steps named in $@:
-#   tests gputests tune retune cells layer bench zerocopy decode qwen15 quant searcher trace
+#   tests gputests tune retune cells mixed layer bench zerocopy decode qwen15 quant searcher trace
 # (no openai/pydantic on the GPU image: the server tests stay on the CPU)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
@@ -39,6 +39,11 @@ for step in "$@"; do
                --formats $f --tokens $t --variants $v --tune-seconds $s --write-table --table-variant best 2>&1 | grep -v "^  "
              [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" src/moetide/compute/
            done ;;
+    mixed) # the hi pool's tiles beside int2 lo rows (combined's layers), into this tree's table (returned as
+           # $OUT/fused_moe_configs.json)
+           timeout $(T ${MIXED_S:-200}) python3 scripts/tune_mixed_pools.py --out "$OUT/mixed_pools.json" \
+             --tokens ${MIXED_TOKENS:-1,8,32,128} --write-table 2>&1 | grep -v "^  "
+           [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" src/moetide/compute/ ;;
     layer) timeout $(T 120) python3 scripts/profile_fused_layer.py --out "$OUT/layer_kernels.json" --tokens 1,8,32,128 \
              --formats ${LAYER_FORMATS:-int2,int4,bfloat16} 2>&1 | tail -14 ;;
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \

@@ -82,12 +82,14 @@ def layer_inputs(num_tokens: int, hidden: int, experts: int, top_k: int):
     return x, ids, weights, pool_of, slot_of
 
 
-def time_layer(pool: Pool, inputs, config, variant: str) -> tuple[float, torch.Tensor]:
-    """Median microseconds of one graph-replayed `fused_moe` call, and its output (of the last replay)."""
+def time_layer(pool, inputs, config, variant: str | None) -> tuple[float, torch.Tensor]:
+    """Median microseconds of one graph-replayed `fused_moe` call, and its output (of the last replay).
+    `pool`: one `Pool`, or the layer's list of pools (`config` then one per pool, or None)."""
     x, ids, weights, pool_of, slot_of = inputs
+    pools = pool if isinstance(pool, list) else [pool]
 
     def call():
-        return fm.fused_moe(x, ids, weights, pool_of, slot_of, [pool], config=config, packed_tile=variant)
+        return fm.fused_moe(x, ids, weights, pool_of, slot_of, pools, config=config, packed_tile=variant)
 
     if DEVICE == "cpu":
         start = time.perf_counter()

@@ -310,12 +310,43 @@ def test_each_pool_of_a_mixed_layer_takes_its_own_formats_tiles_and_they_share_b
     for T in (1, 8, 32, 128):
         got = pool_configs(T, [hi, lo, None])
         want_lo = config_for(T, 2048, 1024, lo.format.name)
-        want_hi = replace(config_for(T, 2048, 1024, hi.format.name), block_m=want_lo.block_m)
+        want_hi = replace(config_for(T, 2048, 1024, hi.format.name, beside="int2"), block_m=want_lo.block_m)
         assert got == [want_hi, want_lo, None]
         differ += want_hi != want_lo
     assert differ  # the table holds different tiles for the two formats
     given = KernelConfig(block_m=16, block_n=32, block_k=64)
     assert pool_configs(8, [hi, lo, None], given) == [given, given, None]
+    own = KernelConfig(block_m=32, block_n=16, block_k=128)
+    assert pool_configs(8, [hi, lo, None], [own, given, None]) == [replace(own, block_m=16), given, None]
+
+
+def test_a_pool_beside_the_lo_pool_takes_its_mixed_cell_and_alone_its_own(monkeypatch):
+    """The hi pool of a mixed layer runs a few hot experts' pairs: the table's `@int2` cell for it
+    there, its format's own cell where it runs alone (no-offload), and the own cell where no mixed
+    cell was tuned."""
+    from moetide.compute import fused_moe as fm
+    from moetide.compute import fused_moe_config as fmc
+
+    hi = make_pool(1, 1024, 2048, "hi", torch.bfloat16)
+    lo = make_pool(1, 1024, 2048, "int2", torch.bfloat16)
+    alone = KernelConfig(block_m=16, block_n=64, block_k=128)
+    mixed = KernelConfig(block_m=16, block_n=16, block_k=256, num_warps=2)
+    lead = KernelConfig(block_m=16, block_n=128, block_k=128, packed_tile="v5")
+    table = {fmc.table_key(32, 2048, 1024, "bfloat16"): alone, fmc.table_key(32, 2048, 1024, "int2"): lead,
+             fmc.table_key(32, 2048, 1024, "bfloat16", beside="int2"): mixed}  # fmt: skip
+    monkeypatch.setattr(fmc, "_table", lambda: table)
+    fm._pool_configs.cache_clear()
+    try:
+        assert fm.pool_configs(32, [hi, lo]) == [mixed, lead]
+        assert fm.pool_configs(32, [hi]) == [alone]
+        monkeypatch.setenv("MOETIDE_MIXED_TILES", "0")  # the A/B switch: the format's own cell
+        assert fm.pool_configs(32, [hi, lo]) == [alone, lead]
+        monkeypatch.delenv("MOETIDE_MIXED_TILES")
+        del table[fmc.table_key(32, 2048, 1024, "bfloat16", beside="int2")]
+        fm._pool_configs.cache_clear()
+        assert fm.pool_configs(32, [hi, lo]) == [alone, lead]
+    finally:
+        fm._pool_configs.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -415,4 +446,28 @@ def test_fused_kernel_with_programmatic_dependent_launch(kernel, num_tokens, mon
     hidden.copy_(torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(4)).to(dtype))
     graph.replay()
     torch.cuda.synchronize()
+    assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the OLMoE shape's tiled cells: CUDA only")
+@pytest.mark.parametrize("num_tokens", [1, 8, 32, 128])
+def test_fused_kernel_on_the_tables_mixed_cells_at_the_olmoe_shape(kernel, num_tokens):
+    """A combined layer at the OLMoE shape (H 2,048, I 1,024, 64 experts, top 8): a few bf16 hi slots
+    on the table's tiles for a pool beside int2 rows (`@int2` cells where tuned), the int2 pool on its
+    own: equals the reference."""
+    from moetide.compute.fused_moe import pool_configs
+
+    dtype, experts, hidden_size, inter = torch.bfloat16, 64, 2048, 1024
+    pools = [make_pool(3, inter, hidden_size, "hi", dtype, seed=1), make_pool(8, inter, hidden_size, "int2", dtype)]
+    g = torch.Generator().manual_seed(num_tokens)
+    pool_of = torch.ones(experts, dtype=torch.int32)
+    pool_of[torch.randperm(experts, generator=g)[:3]] = 0
+    slot_of = torch.stack([torch.cumsum(pool_of == 0, 0) - 1, torch.randint(0, 8, (experts,), generator=g)])
+    pool_of, slot_of = pool_of.cuda(), slot_of.clamp_min(0).to(torch.int32).cuda()
+    ids, weights = routing(num_tokens, experts, 8, dtype, seed=num_tokens)
+    hidden = (torch.randn(num_tokens, hidden_size, generator=g) * 0.5).to(dtype).cuda()
+    configs = pool_configs(num_tokens, pools)
+    assert configs[0].block_m == configs[1].block_m
+    out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
     assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), dtype)

@@ -807,24 +807,33 @@ def _fits_dot(config: KernelConfig, fmt: PoolFormat) -> bool:
 LO_POOL_ID = 1  # `ResidencyManager.pool_ids["lo"]`: in a mixed layer, the pool that runs most pairs
 
 
-def pool_configs(num_tokens: int, pools: list[Pool | None], config: KernelConfig | None = None) -> list:
-    """The tiles of each pool's launches (None where a pool is None). `config`: one for every pool (the
-    tuner, tests); else each pool's own format's from the table, since bf16 hi slots and int2 lo rows
-    want different tiles and tile products (per-tensor precision). They share block_m, for one
-    alignment of the pairs serves every pool: the lo pool's where there is one, else the first
-    pool's; block_m 1 for all where a pool's groups are too small for tl.dot tiles."""
+def pool_configs(num_tokens: int, pools: list[Pool | None], config=None) -> list:
+    """The tiles of each pool's launches (None where a pool is None). `config`: one `KernelConfig` for
+    every pool, or one per pool (the tuners, tests); else each pool's own format's from the table,
+    since bf16 hi slots and int2 lo rows want different tiles and tile products (per-tensor
+    precision), and a pool beside the lo pool in a mixed layer its cell for that (`config_for`'s
+    `beside`: it runs a few hot experts' pairs). They share block_m, for one alignment of the pairs
+    serves every pool: the lo pool's where there is one, else the first pool's; block_m 1 for all
+    where a pool's groups are too small for tl.dot tiles."""
     formats = tuple(pool.format if pool is not None else None for pool in pools)
-    return list(_pool_configs(t_bucket(num_tokens), formats, config))
+    if isinstance(config, list):
+        config = tuple(config)
+    mixed_cells = os.environ.get("MOETIDE_MIXED_TILES") != "0"  # 0: the format's own cell (A/B runs)
+    return list(_pool_configs(t_bucket(num_tokens), formats, config, mixed_cells))
 
 
 @lru_cache(maxsize=256)
-def _pool_configs(bucket: int, formats: tuple, config: KernelConfig | None) -> tuple:
+def _pool_configs(bucket: int, formats: tuple, config, mixed_cells: bool = True) -> tuple:
     first = next(f for f in formats if f is not None)
-    if config is not None:
+    lead = formats[LO_POOL_ID] if len(formats) > LO_POOL_ID and mixed_cells else None
+    if isinstance(config, tuple):
+        configs = [c if f is not None else None for c, f in zip(config, formats, strict=True)]
+    elif config is not None:
         configs = [config if f is not None else None for f in formats]
     else:
-        configs = [config_for(bucket, first.hidden_size, first.intermediate_size, f.name) if f is not None
-                   else None for f in formats]  # fmt: skip
+        configs = [config_for(bucket, first.hidden_size, first.intermediate_size, f.name,
+                              beside=lead.name if lead is not None and i != LO_POOL_ID else None)
+                   if f is not None else None for i, f in enumerate(formats)]  # fmt: skip
         if _WIDEN_DOT:  # the interpreter runs each program in Python: wide tiles, few programs
             configs = [replace(c, block_n=max(c.block_n, 128)) if c is not None else None for c in configs]
     lead = configs[LO_POOL_ID] if len(configs) > LO_POOL_ID and configs[LO_POOL_ID] is not None else None
@@ -841,14 +850,15 @@ def fused_moe(
     pool_of: torch.Tensor,
     slot_of: torch.Tensor,
     pools: list[Pool],
-    config: KernelConfig | None = None,
+    config=None,
     packed_tile: str | None = None,
     waits: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Routed experts of one layer from the pools' rows through the slot table: `(T, H)`.
 
     `pools[i]` is pool id i (None: a pool without slots). Experts whose `pool_of` is -1 contribute
-    nothing. No host sync. `packed_tile`: the packed tile product (`PACKED_TILES`); None = the one
+    nothing. No host sync. `config`: tiles for every pool, or per pool (`pool_configs`); None = the
+    table's. `packed_tile`: the packed tile product (`PACKED_TILES`); None = the one
     MOETIDE_PACKED_TILE names, else the tile table's (`KernelConfig.packed_tile`). `waits`
     (`wait_of` (E,), `landed` (slots,) int32, pool id): an expert in that pool whose `wait_of` is not
     0 is read once `landed[slot] == wait_of` (a copy in flight; `ResidencyManager.step_waits`).

@@ -59,8 +59,10 @@ def default_config(num_tokens: int) -> KernelConfig:
     return KernelConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
-def table_key(num_tokens: int, hidden: int, inter: int, fmt: str) -> str:
-    return f"T{t_bucket(num_tokens)}_H{hidden}_I{inter}_{fmt}"
+def table_key(num_tokens: int, hidden: int, inter: int, fmt: str, beside: str | None = None) -> str:
+    """`beside`: the format of the pool that leads a mixed layer (`fused_moe.LO_POOL_ID`), for the tiles
+    of another pool's launches there: a few hot experts' pairs, on the lead pool's block_m."""
+    return f"T{t_bucket(num_tokens)}_H{hidden}_I{inter}_{fmt}" + (f"@{beside}" if beside else "")
 
 
 @lru_cache(maxsize=1)
@@ -71,9 +73,13 @@ def _table() -> dict[str, KernelConfig]:
     return {key: KernelConfig(**value) for key, value in raw.get("configs", {}).items()}
 
 
-def config_for(num_tokens: int, hidden: int, inter: int, fmt: str) -> KernelConfig:
-    """The tuned tiles for this shape, else `default_config`."""
-    return _table().get(table_key(num_tokens, hidden, inter, fmt)) or default_config(num_tokens)
+def config_for(num_tokens: int, hidden: int, inter: int, fmt: str, beside: str | None = None) -> KernelConfig:
+    """The tuned tiles for this shape (beside a lead pool of format `beside`: that cell if tuned, else
+    the format's own), else `default_config`."""
+    table = _table()
+    if beside is not None and (mixed := table.get(table_key(num_tokens, hidden, inter, fmt, beside))):
+        return mixed
+    return table.get(table_key(num_tokens, hidden, inter, fmt)) or default_config(num_tokens)
 
 
 def as_json(configs: dict[str, KernelConfig]) -> dict:
