@@ -36,6 +36,29 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def kernel_durations(prof, prefixes: tuple[str, ...], first: int = 32) -> dict[str, list[float]]:
+    """Microseconds of the first `first` launches of each kernel named by a prefix, in launch order (a
+    mixed layer launches each pool's kernels in pool order: hi, then lo)."""
+    found = {p: [] for p in prefixes}
+    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        for p in prefixes:
+            if e.name.startswith(p) and len(found[p]) < first:
+                found[p].append(round(e.time_range.elapsed_us(), 2))
+    return found
+
+
+def moe_tiles(llm) -> dict:
+    """The fused kernel's tiles per pool (hi, lo, ...) at T = 1 and 32, as this engine's layers take them."""
+    from moetide.compute import fused_moe as fm
+
+    residency = llm.loaded.runtime.residency
+    if not hasattr(residency, "kernel_pools"):
+        return {}
+    pools = residency.kernel_pools(torch.bfloat16)
+    return {t: [None if c is None else vars(c) for c in fm.pool_configs(t, pools)] for t in (1, 32)}
+
+
 def profile_policy(ckpt: Path, policy: str, args, compile_mode: str = "off") -> dict:
     llm = moetide.LLM(
         str(ckpt),
@@ -70,6 +93,7 @@ def profile_policy(ckpt: Path, policy: str, args, compile_mode: str = "off") -> 
         for _ in range(3):
             engine.step()
         _sync()
+    launches_in_order = kernel_durations(prof, ("_gate_up_kernel", "_down_kernel"))
     events = prof.key_averages()
     by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60)
     by_cuda = (
@@ -91,6 +115,7 @@ def profile_policy(ckpt: Path, policy: str, args, compile_mode: str = "off") -> 
     stream = io.StringIO()
     pstats.Stats(py, stream=stream).sort_stats("tottime").print_stats(16)
     snapshot = llm.metrics.snapshot()
+    tiles = moe_tiles(llm)
     kv, ahead = engine.kv_stats(), engine.ahead_steps
     llm.close()
     return {
@@ -104,6 +129,8 @@ def profile_policy(ckpt: Path, policy: str, args, compile_mode: str = "off") -> 
         "per_step_kernel_launches": launches / 3,
         "per_step_sync_or_copy_calls": syncs / 3,
         "per_step_device_busy_ms": round(cuda_total_ms / 3, 2),
+        "fused_moe_launch_us_in_order": launches_in_order,
+        "fused_moe_tiles": tiles,
         "host_ops_by_self_cpu": by_cpu,
         "kernels_by_device_time": by_cuda,
         "python_by_tottime": stream.getvalue()[:6000],
