@@ -11,10 +11,9 @@ the whole `fused_moe` call (`tune_fused_moe.time_layer`): `lo_only_us` with ever
 (one pool's launches, as static-int2), `mixed_us` on the table's tiles today, and each hi candidate
 (block_m is the lo pool's: one alignment serves both pools), each also with no pair in the hi pool
 (`*empty_us`: its launches still run, every program finding nothing to do); the best minimizes the
-sum of the two, since a step with no hot expert routed is as common as one with; `hi_cost_us` =
-mixed - lo only. Each
-candidate's output is checked against the PyTorch reference (`reference_moe`, same slot table); one
-beyond `--max-err` is never `best`. `--write-table` writes the best hi tiles of each T as the table's
+sum of the two, weighing a layer that routes no hot expert like one that does; `hi_cost_us` = mixed
+- lo only. Each candidate's output is checked against the PyTorch reference (`reference_moe`, same
+slot table); one beyond `--max-err` is never `best`. `--write-table` writes the best hi tiles of each T as the table's
 `<hi>@<lo>` cells (`fused_moe_config.config_for`'s `beside`) into fused_moe_configs.json next to --out,
 where they beat the hi format's own cell by more than 2 % (the same sum).
 """
