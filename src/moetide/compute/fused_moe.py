@@ -823,16 +823,17 @@ def pool_configs(num_tokens: int, pools: list[Pool | None], config=None) -> list
 
 
 @lru_cache(maxsize=256)
-def _pool_configs(bucket: int, formats: tuple, config, mixed_cells: bool = True) -> tuple:
+def _pool_configs(bucket: int, formats: tuple, config, mixed_cells: bool) -> tuple:
     first = next(f for f in formats if f is not None)
-    lead = formats[LO_POOL_ID] if len(formats) > LO_POOL_ID and mixed_cells else None
+    lo = formats[LO_POOL_ID] if len(formats) > LO_POOL_ID else None
+    beside = lo.name if lo is not None and mixed_cells else None  # the other pools' `@<lo>` cells
     if isinstance(config, tuple):
         configs = [c if f is not None else None for c, f in zip(config, formats, strict=True)]
     elif config is not None:
         configs = [config if f is not None else None for f in formats]
     else:
         configs = [config_for(bucket, first.hidden_size, first.intermediate_size, f.name,
-                              beside=lead.name if lead is not None and i != LO_POOL_ID else None)
+                              beside=beside if i != LO_POOL_ID else None)
                    if f is not None else None for i, f in enumerate(formats)]  # fmt: skip
         if _WIDEN_DOT:  # the interpreter runs each program in Python: wide tiles, few programs
             configs = [replace(c, block_n=max(c.block_n, 128)) if c is not None else None for c in configs]
