@@ -107,6 +107,7 @@ def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, co
                      "compile": compile_mode, "decode_attention": decode_attention,
                      "decode_ahead": decode_ahead, "ahead_steps": llm.engine.ahead_steps,
                      "decode_kernel": llm.engine.runner.kv.decode_kernel, "fused_routers": llm.loaded.fused_routers,
+                     "fused_qkv": llm.loaded.fused_qkv,
                      "env": ",".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MOETIDE_")), "in_step": feed is not None, "host_syncs": llm.metrics.host_syncs,
                      **r, **residency, "graphs": graphs, "layer_feed": feed.stats() if feed else None})  # fmt: skip
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "graphs"}),

@@ -79,8 +79,32 @@ def probe_policy(ckpt: Path, policy: str, args) -> dict:
                          "launch_us_in_order": launches(ps, inputs)})  # fmt: skip
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "tiles"}), flush=True)
     llm.close()
-    return {"policy": policy, "pools": [None if p is None else {"format": p.format.name, "rows": p.arena.shape[0],
-            "row_bytes": p.arena.shape[1]} for p in pools], "rows": rows}  # fmt: skip
+    return {"policy": policy, "pools": [pool_layout(p) for p in pools], "rows": rows,
+            "compiled_variants": compiled_variants()}  # fmt: skip
+
+
+def pool_layout(pool) -> dict | None:
+    """What the launches' specialization sees of one pool: the arena's alignment and stride, and each
+    matrix's offsets (Triton compiles separate kernels for arguments divisible by 16 or not)."""
+    if pool is None:
+        return None
+    arena = pool.arena
+    matrices = {name: {"bits": m.bits, "group": m.group_size, "data_offset": m.data_offset,
+                       "scale_offset": m.scale_offset, "offset_offset": m.offset_offset}
+                for name, m in (("gate_up", pool.format.gate_up), ("down", pool.format.down))}  # fmt: skip
+    return {"format": pool.format.name, "rows": arena.shape[0], "row_bytes": arena.shape[1],
+            "stride0": arena.stride(0), "dtype": str(arena.dtype), "device": str(arena.device),
+            "ptr_mod_128": arena.data_ptr() % 128, "contiguous": arena.is_contiguous(),
+            "matrices": matrices}  # fmt: skip
+
+
+def compiled_variants() -> dict[str, list[str]]:
+    """The specializations each fused kernel has been compiled for so far in this process."""
+    out = {}
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        caches = getattr(getattr(fm, name), "device_caches", {})
+        out[name] = sorted(str(key)[:600] for cache in caches.values() for key in cache[0])
+    return out
 
 
 def main() -> int:

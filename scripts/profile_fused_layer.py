@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tune_fused_moe import ROOFLINE_BYTES_S, SHAPES, layer_bytes, layer_inputs, make_pool, time_layer  # noqa: E402
 
 from moetide.compute import fused_moe as fm  # noqa: E402
+from moetide.compute.fused_moe_config import default_config  # noqa: E402
 
 
 def kernel_times(pool, inputs, reps: int) -> dict[str, float]:
@@ -47,6 +48,9 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--formats", default="int2,int4,bfloat16")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--against-default", action="store_true",
+                    help="also time each cell on `default_config` (what a bucket the table lacks ran on before "
+                         "it took its nearest tuned bucket's tiles)")  # fmt: skip
     args = ap.parse_args()
     hidden, inter, experts, top_k = SHAPES[args.shape]
     rows = []
@@ -61,6 +65,10 @@ def main() -> int:
             rows.append({"format": fmt, "tokens": t, "config": vars(config), "graph_us": round(graph_us, 2),
                          "roofline_us": round(roof_us, 2), "vs_roofline": round(graph_us / roof_us, 2),
                          "kernels_us": kernels, "kernels_sum_us": round(sum(kernels.values()), 2)})  # fmt: skip
+            if args.against_default:
+                default = default_config(t)
+                default_us, _ = time_layer(pool, inputs, default, default.packed_tile)
+                rows[-1].update(default_config=vars(default), default_graph_us=round(default_us, 2))
             print(json.dumps(rows[-1]), flush=True)
     Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     return 0

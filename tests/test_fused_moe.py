@@ -349,6 +349,29 @@ def test_a_pool_beside_the_lo_pool_takes_its_mixed_cell_and_alone_its_own(monkey
         fm._pool_configs.cache_clear()
 
 
+def test_a_bucket_the_table_lacks_takes_its_nearest_tuned_bucket_inside_the_tuned_range(monkeypatch):
+    """Decode batches between tuned buckets (2, 4, 16, 64 sequences) run on the nearest tuned bucket's
+    tiles of the same shape and format (a tie: the smaller bucket), not on the untuned default; past
+    the tuned range (prefill chunks), and for a format with no tuned cell, the default stays."""
+    from moetide.compute import fused_moe_config as fmc
+
+    one = KernelConfig(block_m=1, block_n=16, block_k=512, packed_tile="v6")
+    eight = KernelConfig(block_m=16, block_n=128, block_k=128, packed_tile="v4")
+    big = KernelConfig(block_m=32, block_n=128, block_k=128, packed_tile="v5")
+    table = {fmc.table_key(1, 2048, 1024, "int2"): one, fmc.table_key(8, 2048, 1024, "int2"): eight,
+             fmc.table_key(128, 2048, 1024, "int2"): big}  # fmt: skip
+    monkeypatch.setattr(fmc, "_table", lambda: table)
+    fmc.nearest_bucket.cache_clear()
+    try:
+        got = {t: fmc.config_for(t, 2048, 1024, "int2") for t in (1, 2, 3, 8, 16, 32, 33, 64, 128, 256)}
+        assert got == {1: one, 2: one, 3: eight, 8: eight, 16: eight, 32: eight, 33: big, 64: big, 128: big,
+                       256: fmc.default_config(256)}  # fmt: skip
+        assert fmc.config_for(16, 2048, 1024, "int4") == fmc.default_config(16)  # no int4 cell at all
+        assert fmc.config_for(16, 4096, 1024, "int2") == fmc.default_config(16)  # another shape
+    finally:
+        fmc.nearest_bucket.cache_clear()
+
+
 @pytest.mark.parametrize(
     "policy",
     # under the interpreter a token costs ~4.6 s: the CPU runs the int2 engine test only (int4 tiles

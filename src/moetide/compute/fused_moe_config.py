@@ -75,11 +75,29 @@ def _table() -> dict[str, KernelConfig]:
 
 def config_for(num_tokens: int, hidden: int, inter: int, fmt: str, beside: str | None = None) -> KernelConfig:
     """The tuned tiles for this shape (beside a lead pool of format `beside`: that cell if tuned, else
-    the format's own), else `default_config`."""
+    the format's own); a T bucket the table does not hold takes the format's nearest tuned bucket of
+    the same shape (`nearest_bucket`); a shape or format it does not hold at all, `default_config`."""
     table = _table()
     if beside is not None and (mixed := table.get(table_key(num_tokens, hidden, inter, fmt, beside))):
         return mixed
-    return table.get(table_key(num_tokens, hidden, inter, fmt)) or default_config(num_tokens)
+    if own := table.get(table_key(num_tokens, hidden, inter, fmt)):
+        return own
+    near = nearest_bucket(t_bucket(num_tokens), hidden, inter, fmt)
+    return table[table_key(near, hidden, inter, fmt)] if near is not None else default_config(num_tokens)
+
+
+@lru_cache(maxsize=512)
+def nearest_bucket(bucket: int, hidden: int, inter: int, fmt: str) -> int | None:
+    """The tuned T bucket of (H, I, format) closest to `bucket` in log2 (a tie takes the smaller: fewer
+    padded rows per block), or None where `bucket` is not between two tuned ones: decode batches of 2,
+    4, 16 or 64 sequences run on a neighbour's tuned tiles rather than on the untuned default (v1
+    products); buckets past the tuned range (prefill chunks) keep `default_config`."""
+    suffix = f"_H{hidden}_I{inter}_{fmt}"
+    heads = [key[1 : -len(suffix)] for key in _table() if key.startswith("T") and key.endswith(suffix)]
+    tuned = [int(head) for head in heads if head.isdigit()]
+    if not tuned or not min(tuned) <= bucket <= max(tuned):
+        return None
+    return min(tuned, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
 
 
 def as_json(configs: dict[str, KernelConfig]) -> dict:

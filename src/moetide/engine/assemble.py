@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..compute.observations import StepObservations
+from ..compute.projections import fuse_qkv
 from ..compute.routing import fuse_routers
 from ..compute.runtime import ExpertRuntime, ManagedExperts
 from ..models.loader import LoadedModel, load_weights, moe_blocks
@@ -45,6 +46,7 @@ def assemble_runtime(loaded: LoadedModel, residency_factory=None) -> ExpertRunti
     for i, (_, block) in enumerate(moe_blocks(loaded.model, adapter)):
         block.experts = ManagedExperts(i, runtime)
     loaded.fused_routers = fuse_routers(loaded.model, adapter, loaded.device)  # before any hook is attached
+    loaded.fused_qkv = fuse_qkv(loaded.model)
     if residency_factory is None:
         runtime.residency = DirectResidency(store, metrics, loaded.device.type)
     else:

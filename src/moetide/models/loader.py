@@ -44,6 +44,7 @@ class LoadedModel:
     act_fn: object  # the experts' activation, taken from transformers' experts module
     runtime: object = None  # the ExpertRuntime, once assembled
     fused_routers: int = 0  # MoE blocks whose router runs the fused softmax + top-k (`compute/routing.py`)
+    fused_qkv: int = 0  # attention modules whose q/k/v projections are one matmul (`compute/projections.py`)
     policy: object = None  # the policy object, for predictive policies
     policy_hooks: object = None
 
