@@ -49,7 +49,7 @@ SHAPES = {"olmoe-1b-7b": (2048, 1024, 64, 8), "qwen15-moe-a2.7b": (2048, 1408, 6
           "tiny": (128, 64, 8, 2)}  # H, I, E, k; tiny: a smoke run on CPU
 ROOFLINE_BYTES_S = 3.3e12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PRECISION = {"int2+int4": "int2+4"}  # PoolFormat name -> quant.pack_expert precision
+PRECISION = {"int2+int4": "int2+4", "int2+int2g32": "int2+2"}  # PoolFormat name -> quant.pack_expert precision
 
 
 def make_pool(fmt: str, hidden: int, inter: int, experts: int, dtype=torch.bfloat16) -> Pool:

@@ -349,6 +349,22 @@ def test_a_pool_beside_the_lo_pool_takes_its_mixed_cell_and_alone_its_own(monkey
         fm._pool_configs.cache_clear()
 
 
+def test_a_layout_whose_groups_are_not_the_default_has_its_own_table_name():
+    """The tile table's names: a packed matrix in its width's default groups is named by its bits, one in
+    other groups gets them named (int2+2's down in groups of 32 runs products a quarter as wide as
+    int2's, so it must not take int2's tuned tiles)."""
+    from moetide.residency.slot_table import dense_format, packed_format
+    from moetide.store import quant
+
+    gate_up, down = torch.randn(2 * 128, 256) * 0.02, torch.randn(256, 128) * 0.02
+    names = {}
+    for precision in ("int4", "int2+4", "int2+2", "int2"):
+        _row, meta = quant.pack_expert(gate_up, down, precision, quant_method="rtn")
+        names[precision] = packed_format(meta, torch.bfloat16).name
+    assert names == {"int4": "int4", "int2+4": "int2+int4", "int2+2": "int2+int2g32", "int2": "int2"}
+    assert dense_format(256, 128, torch.bfloat16).name == "bfloat16"
+
+
 def test_a_bucket_the_table_lacks_takes_its_nearest_tuned_bucket_inside_the_tuned_range(monkeypatch):
     """Decode batches between tuned buckets (2, 4, 16, 64 sequences) run on the nearest tuned bucket's
     tiles of the same shape and format (a tie: the smaller bucket), not on the untuned default; past

@@ -804,6 +804,7 @@ def _fits_dot(config: KernelConfig, fmt: PoolFormat) -> bool:
     return True
 
 
+INTERPRETER_TILE = 256  # the least block_n and block_k of the table's tiles under the interpreter (CPU tests)
 LO_POOL_ID = 1  # `ResidencyManager.pool_ids["lo"]`: in a mixed layer, the pool that runs most pairs
 
 
@@ -835,8 +836,9 @@ def _pool_configs(bucket: int, formats: tuple, config, mixed_cells: bool) -> tup
         configs = [config_for(bucket, first.hidden_size, first.intermediate_size, f.name,
                               beside=beside if i != LO_POOL_ID else None)
                    if f is not None else None for i, f in enumerate(formats)]  # fmt: skip
-        if _WIDEN_DOT:  # the interpreter runs each program in Python: wide tiles, few programs
-            configs = [replace(c, block_n=max(c.block_n, 128)) if c is not None else None for c in configs]
+        if _WIDEN_DOT:  # the interpreter runs each program in Python: wide tiles, few programs and K-steps
+            configs = [replace(c, block_n=max(c.block_n, INTERPRETER_TILE), block_k=max(c.block_k, INTERPRETER_TILE))
+                       if c is not None else None for c in configs]  # fmt: skip
     lead = configs[LO_POOL_ID] if len(configs) > LO_POOL_ID and configs[LO_POOL_ID] is not None else None
     block_m = (lead or next(c for c in configs if c is not None)).block_m
     if not all(_fits_dot(replace(c, block_m=block_m), f) for c, f in zip(configs, formats, strict=True) if c):

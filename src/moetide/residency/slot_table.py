@@ -68,10 +68,21 @@ class PoolFormat:
 
     @property
     def name(self) -> str:
-        def one(m: MatrixFormat) -> str:
-            return f"int{m.bits}" if m.packed else str(self.dtype).removeprefix("torch.")
+        """The tile table's name of the layout: "bfloat16", "int4", "int2", "int2+int4", ...; a packed
+        matrix whose groups are not its width's default along its K gets them named ("int2+int2g32":
+        int2 down in groups of 32), since its products are that wide and want their own tiles."""
+        from ..store.quant import default_group_size
 
-        gu, dn = one(self.gate_up), one(self.down)
+        def one(m: MatrixFormat, k: int) -> str:
+            if not m.packed:
+                return str(self.dtype).removeprefix("torch.")
+            try:
+                default = default_group_size(m.bits, k)
+            except ValueError:
+                default = None
+            return f"int{m.bits}" + ("" if m.group_size == default else f"g{m.group_size}")
+
+        gu, dn = one(self.gate_up, self.hidden_size), one(self.down, self.intermediate_size)
         return gu if gu == dn else f"{gu}+{dn}"
 
 
