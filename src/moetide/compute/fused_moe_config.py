@@ -1,6 +1,7 @@
 """Tile sizes of the fused MoE kernel: a small table per (T bucket, H, I, format), tuned once on the
 H200 (`scripts/tune_fused_moe.py`, `triton.testing.do_bench`) and committed as
-`fused_moe_configs.json`; shapes not in it get `default_config`.
+`fused_moe_configs.json`; a T bucket between two tuned ones takes the nearest tuned bucket's tiles
+(`nearest_bucket`), other buckets and shapes not in it get `default_config`.
 
 T buckets: 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, then larger (a T maps to the smallest
 bucket >= T). Formats are `PoolFormat.name`: "bfloat16", "float16", "float32", "int4", "int2",
