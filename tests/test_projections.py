@@ -4,7 +4,9 @@ another input."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from tiny_models import FAMILIES
 from torch import nn
 
 from moetide.compute.projections import PRODUCT, fuse_qkv
@@ -112,3 +114,22 @@ def test_the_demo_model_fuses_every_attention_and_gives_the_unfused_logits(monke
         llm.close()
         assert fused == (0 if flag == "0" else llm.loaded.config.num_hidden_layers)
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_gives_transformers_logits_with_its_projections_fused(tiny_checkpoints, family):
+    """Each supported family's attention (biases on q/k/v in some, grouped kv heads in others) fused
+    where it has the triplet, and the logits of transformers' own model; DeepSeek-V2's low-rank
+    attention has none and is left as it is."""
+    import moetide
+
+    path, reference = tiny_checkpoints[family]
+    llm = moetide.LLM(str(path), policy="no-offload", dtype="float32")
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        got = llm.loaded.model(ids).logits.float()
+        want = reference(ids).logits.float()  # (the fixture's float32 model, shared: not converted)
+    fused = llm.loaded.fused_qkv
+    llm.close()
+    assert fused == (0 if family == "deepseek_v2" else reference.config.num_hidden_layers)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
