@@ -148,10 +148,11 @@ def run_under_interpreter(folder: Path, timeout_s: float = 900) -> InterpreterRu
     return InterpreterRun(result, result.stdout[-3000:] + result.stderr[-2000:])
 
 
-def run_both_kernels(kernel, monkeypatch, path, ids: torch.Tensor, max_tokens: int, **llm_kwargs):
+def run_both_kernels(kernel, monkeypatch, path, ids: torch.Tensor, max_tokens: int, prompt=(5, 6, 7, 8),
+                     **llm_kwargs):  # fmt: skip
     """Load `path` once per kernel choice ("dequant": the per-expert reference, then "triton": the
     fused kernel) with `llm_kwargs`, and for each run the forward of `ids` and a greedy generation of
-    `max_tokens` from [5, 6, 7, 8].
+    `max_tokens` from `prompt`.
 
     Returns `({lo_kernel: (logits float32, greedy token ids, lo_runs)}, calls)`, where `calls` lists one
     entry per call of `kernel.fused_moe` (so a test can check the fused kernel really ran)."""
@@ -166,7 +167,7 @@ def run_both_kernels(kernel, monkeypatch, path, ids: torch.Tensor, max_tokens: i
         with torch.no_grad():
             logits = llm.loaded.model(ids).logits.float()
         params = moetide.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        tokens = llm.generate([[5, 6, 7, 8]], params)[0].token_ids
+        tokens = llm.generate([list(prompt)], params)[0].token_ids
         results[lo_kernel] = (logits, tokens, llm.metrics.snapshot()["lo_runs"])
         llm.close()
     return results, calls
