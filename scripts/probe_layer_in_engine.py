@@ -51,7 +51,7 @@ def launches(pools, inputs) -> dict[str, list[float]]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fm.fused_moe(*inputs, pools)
         torch.cuda.synchronize()
-    return kernel_durations(prof, ("_gate_up_kernel", "_down_kernel", "_reduce_kernel"))
+    return kernel_durations(prof, ("_gate_up_kernel", "_down_kernel", "_fused_gemv_kernel", "_reduce_kernel"))
 
 
 def probe_policy(ckpt: Path, policy: str, args) -> dict:
@@ -101,7 +101,7 @@ def pool_layout(pool) -> dict | None:
 def compiled_variants() -> dict[str, list[str]]:
     """The specializations each fused kernel has been compiled for so far in this process."""
     out = {}
-    for name in ("_gate_up_kernel", "_down_kernel"):
+    for name in ("_gate_up_kernel", "_down_kernel", "_fused_gemv_kernel"):
         caches = getattr(getattr(fm, name), "device_caches", {})
         out[name] = sorted(str(key)[:600] for cache in caches.values() for key in cache[0])
     return out

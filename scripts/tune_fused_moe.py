@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from moetide.compute import fused_moe as fm
 from moetide.compute.expert_compute import reference_moe
-from moetide.compute.fused_moe_config import TABLE_PATH, KernelConfig, as_json, table_key
+from moetide.compute.fused_moe_config import FUSED_MAX_TOKENS, TABLE_PATH, KernelConfig, as_json, table_key
 from moetide.residency.slot_table import Pool, dense_format, packed_format
 from moetide.store import quant
 
@@ -114,7 +114,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
-def candidates(num_tokens: int):
+def one_launch_candidates():
+    """The one-launch path (`KernelConfig.split_i`): slice width, down chunk width, gate_up K-step, warps."""
+    for si, bn, bk, w in itertools.product((64, 128, 32), (128, 256), (512, 1024), (4, 8)):
+        yield KernelConfig(1, bn, bk, w, 2, split_i=si)
+
+
+def candidates(num_tokens: int, one_launch_only: bool = False):
+    if num_tokens <= FUSED_MAX_TOKENS:  # GEMV tiles in one launch per pool first (a program per pair and slice)
+        yield from one_launch_candidates()
+    if one_launch_only:
+        return
     if num_tokens <= 2:  # every pair its own block (no sort): GEMV tiles, or 16-row dot tiles of one pair
         for bk, bn, w in itertools.product((512, 256, 1024, 128), (16, 32, 64), (4, 8)):
             yield KernelConfig(1, bn, bk, w, 2)  # K-steps of several groups: more loads in flight
@@ -139,9 +149,9 @@ def candidates(num_tokens: int):
 def effective(config: KernelConfig, pool: Pool) -> tuple:
     """What the kernels of `pool` run with `config` (a packed K-step is cut to divide the row)."""
     fmt = pool.format
-    matrices = ((fmt.gate_up, fmt.hidden_size), (fmt.down, fmt.intermediate_size))
-    ks = [fm.k_tiles(config.block_k, m, k) for m, k in matrices]
-    return (config.block_m, config.block_n, config.num_warps, config.num_stages, *ks)
+    down_k = (config.split_i, config.split_i) if config.split_i else (config.block_k, fmt.intermediate_size)
+    ks = [fm.k_tiles(config.block_k, fmt.gate_up, fmt.hidden_size), fm.k_tiles(down_k[0], fmt.down, down_k[1])]
+    return (config.block_m, config.block_n, config.num_warps, config.num_stages, config.split_i, *ks)
 
 
 def _compile_worker(shape: str, jobs: list) -> int:
@@ -192,6 +202,8 @@ def main() -> int:
     ap.add_argument("--max-err", type=float, default=2e-2, help="relative error to v1 allowed (bf16)")
     ap.add_argument("--tune", action="store_true", help="sweep tiles per (variant, format, T)")
     ap.add_argument("--tune-seconds", type=float, default=60, help="all tuning together stops after this")
+    ap.add_argument("--one-launch-only", action="store_true",
+                    help="tune only the one-launch path's tiles (`KernelConfig.split_i`) against the table's entry")
     ap.add_argument("--write-table", action="store_true", help="write fused_moe_configs.json next to --out")
     ap.add_argument("--table-variant", default=fm.PACKED_TILE or "v1",
                     help="whose best tiles --write-table writes, with that tile product; best: per cell, "
@@ -215,7 +227,7 @@ def main() -> int:
             pool = pools[fmt]
             chosen = fm.config_for(t, hidden, inter, pool.format.name)
             tuned = args.tune and variant in variants  # v1 is always run with the table's tiles: the baseline
-            for cfg in [chosen, *(candidates(t) if tuned else ())]:
+            for cfg in [chosen, *(candidates(t, args.one_launch_only) if tuned else ())]:
                 packed = pool.format.gate_up.packed or pool.format.down.packed
                 key = (fmt, t, effective(cfg, pool), variant if packed else None)
                 if key not in seen:
@@ -250,7 +262,7 @@ def main() -> int:
                 cells_left -= 1
                 if args.tune:
                     seen = {effective(chosen, pool)}
-                    for cfg in candidates(t):
+                    for cfg in candidates(t, args.one_launch_only):
                         if time.perf_counter() > cell_end:
                             break
                         if effective(cfg, pool) in seen:

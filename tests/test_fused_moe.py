@@ -231,17 +231,89 @@ def test_fused_kernel_tiles(kernel, precision, config, num_tokens, packed_tile):
     assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5])
-def test_fused_kernel_reads_no_output_row_of_a_pair_without_a_version(kernel, num_tokens, monkeypatch):
-    """The per-pair outputs are never filled: a pair whose expert has no version (pool -1) leaves its
-    row as it was, NaN here, and the reduce must not read it."""
+WIDE_I = 128  # four slices of the narrowest one-launch width
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16])
+@pytest.mark.parametrize("split_i,packed_tile", [(32, "v6"), (64, "v1"), (32, "v3")])
+def test_the_one_launch_path_equals_the_reference_and_the_two_launch_path(kernel, dtype, num_tokens, split_i,
+                                                                          packed_tile, monkeypatch):  # fmt: skip
+    """GEMV tiles with `split_i`: one `_fused_gemv_kernel` launch per pool (gate_up, SiLU·mul and down
+    for a slice of I per program; the reduce sums the slices), for a table mixing hi, int4 and int2+4
+    pools and experts without a version: equals the reference, and the two-launch path to float32
+    summation order."""
+    launches = []
+    real = kernel._fused_gemv_kernel
+    monkeypatch.setattr(kernel, "_fused_gemv_kernel", type("Spy", (), {"__getitem__": lambda _, grid: (
+        launches.append(grid), real[grid])[1]})())  # fmt: skip
+    pools = [make_pool(6, WIDE_I, H, "hi", dtype, seed=1), make_pool(5, WIDE_I, H, "int4", dtype, seed=2),
+             mixed_pool(4, WIDE_I, H, dtype, seed=3)]  # fmt: skip
+    pool_of, slot_of = table(E, [6, 5, 4], seed=num_tokens)
+    assert (pool_of == NOT_RESIDENT).any()
+    ids, weights = routing(num_tokens, E, TOP_K, dtype, seed=num_tokens)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(7)).to(dtype).to(kernel_device())
+    one = KernelConfig(1, 64, 64, 4, 2, packed_tile=packed_tile, split_i=split_i)
+    out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools, config=one)
+    assert launches == [(num_tokens * TOP_K, WIDE_I // split_i)] * 3
+    two = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools, config=replace(one, split_i=0))
+    assert len(launches) == 3
+    assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), dtype)
+    assert_close(out, two, torch.float32)
+
+
+def test_the_one_launch_path_is_shared_by_a_layers_pools_and_bounded(monkeypatch):
+    """Every pool of a layer takes the lead (lo) pool's slices, halved until they divide I; the one
+    launch needs GEMV tiles, at most FUSED_MAX_TOKENS tokens, and is off with MOETIDE_ONE_LAUNCH=0."""
+    from moetide.compute import fused_moe as fm
+    from moetide.compute.fused_moe_config import FUSED_MAX_TOKENS
+
+    hi = make_pool(1, 96, 64, "hi", torch.float32)
+    lo = make_pool(1, 96, 64, "int4", torch.float32)
+    lead = KernelConfig(1, 128, 64, split_i=64)
+    own = KernelConfig(1, 16, 256)
+    assert fm.pool_configs(1, [hi, lo], [own, lead]) == [replace(own, split_i=32, block_n=128), replace(lead, split_i=32)]
+    assert fm.pool_configs(FUSED_MAX_TOKENS + 1, [hi, lo], [own, lead]) == [own, replace(lead, split_i=0)]
+    assert fm.pool_configs(1, [hi, lo], [replace(own, block_m=16), replace(lead, split_i=0, block_m=16)])[1].split_i == 0
+    monkeypatch.setenv("MOETIDE_ONE_LAUNCH", "0")
+    assert [c.split_i for c in fm.pool_configs(1, [hi, lo], [own, lead])] == [0, 0]
+    assert fm._shared_split(128, 1408) == 128 and fm._shared_split(64, 96) == 32 and fm._shared_split(32, 48) == 0
+    with pytest.raises(ValueError, match="split_i"):
+        KernelConfig(16, 64, 64, split_i=64)
+    with pytest.raises(ValueError, match="split_i"):
+        KernelConfig(1, 64, 64, split_i=16)
+
+
+def test_the_scratch_bound_holds_the_one_launch_paths_per_slice_outputs():
+    """`moe_scratch_bytes` at the largest prefill covers the one-launch path's intermediate and
+    per-(pair, slice) outputs at FUSED_MAX_TOKENS tokens on the narrowest slices."""
+    from types import SimpleNamespace
+
+    from moetide.compute.fused_moe_config import FUSED_MAX_TOKENS, MIN_SPLIT_I, moe_scratch_bytes
+    from moetide.residency import MAX_PREFILL_TOKENS
+
+    for hidden, inter, experts, top_k in ((2048, 1024, 64, 8), (64, 4096, 4, 2), (2048, 1408, 60, 4)):
+        cfg = SimpleNamespace(num_experts_per_tok=top_k, num_experts=experts, hidden_size=hidden)
+        expert_bytes = 3 * hidden * inter * 2
+        pairs = FUSED_MAX_TOKENS * top_k
+        need = pairs * inter * 2 + pairs * (inter // MIN_SPLIT_I) * hidden * 4
+        assert moe_scratch_bytes(cfg, expert_bytes, MAX_PREFILL_TOKENS) >= need
+        assert moe_scratch_bytes(cfg, expert_bytes, FUSED_MAX_TOKENS) >= need
+
+
+@pytest.mark.parametrize("num_tokens,split_i", [(1, 0), (5, 0), (2, 32)])
+def test_fused_kernel_reads_no_output_row_of_a_pair_without_a_version(kernel, num_tokens, split_i, monkeypatch):
+    """The per-pair (per-slice) outputs are never filled: a pair whose expert has no version (pool -1)
+    leaves its rows as they were, NaN here, and the reduce must not read them."""
     monkeypatch.setattr(kernel, "_pair_outputs", lambda p, h, dev: torch.full((p, h), float("nan"), device=dev))
-    pools = [make_pool(E, I, H, "hi", torch.float32), make_pool(E, I, H, "int2", torch.float32, seed=1)]
+    inter = WIDE_I if split_i else I
+    pools = [make_pool(E, inter, H, "hi", torch.float32), make_pool(E, inter, H, "int2", torch.float32, seed=1)]
     pool_of, slot_of = table(E, [E, E], seed=13)
     assert (pool_of == NOT_RESIDENT).any() and (pool_of >= 0).any()
     ids, weights = routing(num_tokens, E, TOP_K, torch.float32, seed=14)
     hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(15)).to(kernel_device())
-    out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    config = KernelConfig(1, 64, 64, split_i=split_i, packed_tile="v6") if split_i else None
+    out = kernel.fused_moe(hidden, ids, weights, pool_of, slot_of, pools, config=config)
     assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), torch.float32)
 
 
@@ -311,6 +383,9 @@ def test_each_pool_of_a_mixed_layer_takes_its_own_formats_tiles_and_they_share_b
         got = pool_configs(T, [hi, lo, None])
         want_lo = config_for(T, 2048, 1024, lo.format.name)
         want_hi = replace(config_for(T, 2048, 1024, hi.format.name, beside="int2"), block_m=want_lo.block_m)
+        if want_lo.split_i:  # the hi launch joins the lo pool's one-launch slices, on its down chunks
+            want_hi = replace(want_hi, split_i=want_lo.split_i,
+                              block_n=want_hi.block_n if want_hi.split_i else want_lo.block_n)  # fmt: skip
         assert got == [want_hi, want_lo, None]
         differ += want_hi != want_lo
     assert differ  # the table holds different tiles for the two formats

@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_moe_config import GEMV_MAX_TOKENS, KernelConfig, config_for, t_bucket
+from .fused_moe_config import FUSED_MAX_TOKENS, GEMV_MAX_TOKENS, MIN_SPLIT_I, KernelConfig, config_for, t_bucket
 from ..residency.slot_table import MatrixFormat, Pool, PoolFormat
 
 # The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix).
@@ -649,6 +649,104 @@ def _down_kernel(
         tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["num_pairs"])  # one compile for every T
+def _fused_gemv_kernel(
+    x_ptr,
+    stride_x,
+    h_ptr,
+    y_ptr,
+    routing_ptr,
+    ids_ptr,
+    pool_of_ptr,
+    slot_of_ptr,
+    slot_stride,
+    num_pairs,
+    POOL_ID,
+    wait_ptr,
+    landed_ptr,
+    param_ptr,
+    row_param,
+    gu_data_ptr,
+    gu_row_data,
+    gu_data_off,
+    gu_scale_off,
+    gu_offset_off,
+    dn_data_ptr,
+    dn_row_data,
+    dn_data_off,
+    dn_scale_off,
+    dn_offset_off,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    GU_BITS: tl.constexpr,
+    GU_GROUP: tl.constexpr,
+    GU_BLOCK_K: tl.constexpr,
+    GU_SUB_K: tl.constexpr,
+    GU_PACKED: tl.constexpr,
+    DN_BITS: tl.constexpr,
+    DN_GROUP: tl.constexpr,
+    DN_BLOCK_K: tl.constexpr,
+    DN_SUB_K: tl.constexpr,
+    DN_PACKED: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WAIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
+):
+    """The one-launch path (GEMV tiles): grid (P, I / BLOCK_I), program (pair p, slice s) of columns
+    i = s * BLOCK_I .. + BLOCK_I. h[p, i] = silu(x[token] @ Wg[i]^T) * (x[token] @ Wu[i]^T) (stored in
+    the activations' dtype, as the two-launch path stores it, and read back after a barrier), then
+    y[p * S + s] = routing[p] * (h[p, i] @ Wd[:, i]^T), float32 (H,), in BLOCK_N-wide chunks; S = I /
+    BLOCK_I partial sums per pair, summed by the reduce. Each weight is read once per pair, as in the
+    two-launch path; the down launch, its gap and its re-read of h go."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    runs, row, h_rows, pair, m_mask = _block_rows(
+        ids_ptr, pool_of_ptr, slot_of_ptr, slot_stride, ids_ptr, num_pairs, POOL_ID, wait_ptr, landed_ptr, 1, WAIT,
+        True,
+    )  # fmt: skip
+    if runs:
+        s = tl.program_id(1)
+        offs_i = s * BLOCK_I + tl.arange(0, BLOCK_I)
+        i_mask = offs_i < INTER
+        token = pair // TOP_K
+        GU_ROWS: tl.constexpr = GU_SUB_K * GU_BITS // 32 if GU_BITS < 8 and GU_PACKED == 7 else 0  # v6
+        acc_gate = _accumulator(1, BLOCK_I, False, GU_ROWS)
+        acc_up = _accumulator(1, BLOCK_I, False, GU_ROWS)
+        for k0 in range(0, HIDDEN, GU_BLOCK_K):
+            for kk in tl.static_range(0, GU_BLOCK_K, GU_SUB_K):
+                gate, up = _k_tile_products(x_ptr, token, stride_x, m_mask, gu_data_ptr, param_ptr, row, gu_row_data,
+                                            row_param, gu_data_off, gu_scale_off, gu_offset_off, offs_i, i_mask,
+                                            INTER, k0 + kk, HIDDEN, GU_BITS, GU_GROUP, 1, GU_SUB_K, GU_PACKED, True,
+                                            DOT_PRECISION)  # fmt: skip
+                acc_gate += gate
+                acc_up += up
+        acc_gate = _finish(acc_gate, False, GU_ROWS)
+        acc_up = _finish(acc_up, False, GU_ROWS)
+        h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        tl.store(h_ptr + h_rows[:, None] * INTER + offs_i[None, :], h.to(x_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & i_mask[None, :])  # fmt: skip
+        tl.debug_barrier()  # the slice of h is in memory before any thread of the program reads it
+        weight = tl.load(routing_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
+        DN_ROWS: tl.constexpr = DN_SUB_K * DN_BITS // 32 if DN_BITS < 8 and DN_PACKED == 7 else 0
+        SLICES: tl.constexpr = INTER // BLOCK_I
+        for n0 in range(0, HIDDEN, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < HIDDEN
+            acc = _accumulator(1, BLOCK_N, False, DN_ROWS)
+            for kk in tl.static_range(0, BLOCK_I, DN_SUB_K):
+                part, _ = _k_tile_products(h_ptr, h_rows, INTER, m_mask, dn_data_ptr, param_ptr, row, dn_row_data,
+                                           row_param, dn_data_off, dn_scale_off, dn_offset_off, offs_n, n_mask, 0,
+                                           s * BLOCK_I + kk, INTER, DN_BITS, DN_GROUP, 1, DN_SUB_K, DN_PACKED, False,
+                                           DOT_PRECISION)  # fmt: skip
+                acc += part
+            acc = _finish(acc, False, DN_ROWS)
+            y_ptrs = y_ptr + (pair * SLICES + s)[:, None] * HIDDEN + offs_n[None, :]
+            tl.store(y_ptrs, acc * weight[:, None], mask=m_mask[:, None] & n_mask[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
                   EXPERTS_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
@@ -718,10 +816,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 @triton.jit
 def _reduce_kernel(y_ptr, out_ptr, ids_ptr, pool_of_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
-                   BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):  # fmt: skip
-    """out[t] = sum_j y[t * k + j] (float32, in j order) over the pairs whose expert has a version
-    (`pool_of` >= 0; the others' rows of y are never written), stored in out's dtype: grid (T, H / BLOCK).
-    USE_GDC: y is read after the down launch before has finished (`gdc_wait`)."""
+                   BLOCK: tl.constexpr, SLICES: tl.constexpr = 1, USE_GDC: tl.constexpr = False):  # fmt: skip
+    """out[t] = sum_j sum_s y[(t * k + j) * S + s] (float32, in j then s order; S = SLICES per-slice
+    partial sums of the one-launch path, else 1) over the pairs whose expert has a version (`pool_of`
+    >= 0; the others' rows of y are never written), stored in out's dtype: grid (T, H / BLOCK).
+    USE_GDC: y is read after the launch before has finished (`gdc_wait`)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
@@ -729,7 +828,9 @@ def _reduce_kernel(y_ptr, out_ptr, ids_ptr, pool_of_ptr, TOP_K: tl.constexpr, HI
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         ran = tl.load(pool_of_ptr + tl.load(ids_ptr + t * TOP_K + j)) >= 0
-        acc += tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + cols, mask=cols < tl.where(ran, HIDDEN, 0), other=0.0)
+        for s in range(SLICES):
+            y_row = y_ptr + ((t * TOP_K + j) * SLICES + s) * HIDDEN
+            acc += tl.load(y_row + cols, mask=cols < tl.where(ran, HIDDEN, 0), other=0.0)
     tl.store(out_ptr + t * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HIDDEN)
 
 
@@ -751,42 +852,58 @@ def k_tiles(block_k: int, matrix: MatrixFormat, k: int) -> tuple[int, int]:
     return step, min(step, matrix.group_size)
 
 
-def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, k: int, config, packed_tile: str,
-                   **args):  # fmt: skip
-    """One launch of `kernel` over `pool`'s rows for one projection (`matrix`, reduction length `k`), its
-    tiles from `config` and, if packed, its tile product from `packed_tile` (a `PACKED_TILES` name)."""
+def _matrix_args(pool: Pool, matrix: MatrixFormat, k: int, block_k: int, block_m: int, packed_tile: str,
+                 act_dtype: torch.dtype) -> dict:  # fmt: skip
+    """The kernel arguments of one projection of `pool` (`matrix`, reduction length `k`) on K-steps of
+    `block_k` and, if packed, the tile product `packed_tile` (a `PACKED_TILES` name): v4 / v5 / v6 read
+    the arena as int32 words where they can, else they run as v3."""
     data, data_off = pool.data_view(matrix), matrix.data_offset
-    params = pool.param_view()
-    block_k, sub_k = k_tiles(config.block_k, matrix, k)
-    if matrix.packed and PACKED_TILES[packed_tile] >= 5:  # v4 / v5 / v6 read int32 words, where they can
+    block_k, sub_k = k_tiles(block_k, matrix, k)
+    if matrix.packed and PACKED_TILES[packed_tile] >= 5:
         words = pool.arena.shape[1] % 4 == 0 and data_off % 4 == 0
-        if config.block_m > 1:  # codes set into bf16 / fp16 pairs
-            words = words and _paired_codes(args["h_ptr"].dtype)
+        if block_m > 1:  # codes set into bf16 / fp16 pairs
+            words = words and _paired_codes(act_dtype)
         else:  # GEMV tiles: v6's own (any activation dtype), v4 / v5 are v3 there
             words = words and packed_tile == "v6" and sub_k % (32 // matrix.bits) == 0
         if words:
             data, data_off = pool.arena.view(torch.int32), data_off // 4
         else:
             packed_tile = "v3"
+    return dict(data_ptr=data, row_data=data.stride(0), data_off=data_off, scale_off=matrix.scale_offset,
+                offset_off=matrix.offset_offset, BITS=matrix.bits, GROUP=max(matrix.group_size, 1), BLOCK_K=block_k,
+                SUB_K=sub_k, PACKED=PACKED_TILES[packed_tile] if matrix.packed else 0)  # fmt: skip
+
+
+def _launch_matrix(kernel, grid, pool: Pool, pool_id: int, matrix: MatrixFormat, k: int, config, packed_tile: str,
+                   **args):  # fmt: skip
+    """One launch of `kernel` over `pool`'s rows for one projection (`matrix`, reduction length `k`), its
+    tiles from `config` and, if packed, its tile product from `packed_tile` (a `PACKED_TILES` name)."""
+    params = pool.param_view()
     kernel[grid](
         **args,
+        **_matrix_args(pool, matrix, k, config.block_k, config.block_m, packed_tile, args["h_ptr"].dtype),
         POOL_ID=pool_id,
-        data_ptr=data,
         param_ptr=params,
-        row_data=data.stride(0),
         row_param=params.stride(0),
-        data_off=data_off,
-        scale_off=matrix.scale_offset,
-        offset_off=matrix.offset_offset,
-        BITS=matrix.bits,
-        GROUP=max(matrix.group_size, 1),
         BLOCK_N=config.block_n,
-        BLOCK_K=block_k,
-        SUB_K=sub_k,
-        PACKED=PACKED_TILES[packed_tile] if matrix.packed else 0,  # one compiled dense kernel for all
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def _launch_fused(pool: Pool, pool_id: int, config, packed_tile: str, num_pairs: int, **args) -> None:
+    """One launch of `_fused_gemv_kernel` over `pool`'s rows: gate_up on K-steps of `config.block_k`,
+    down over each program's slice of `config.split_i` columns, in chunks of `config.block_n` outputs."""
+    fmt, dtype = pool.format, args["x_ptr"].dtype
+    params = pool.param_view()
+    gate_up = _matrix_args(pool, fmt.gate_up, fmt.hidden_size, config.block_k, 1, packed_tile, dtype)
+    down = _matrix_args(pool, fmt.down, config.split_i, config.split_i, 1, packed_tile, dtype)
+    prefixed = {(f"gu_{key}" if key.islower() else f"GU_{key}"): value for key, value in gate_up.items()}
+    prefixed |= {(f"dn_{key}" if key.islower() else f"DN_{key}"): value for key, value in down.items()}
+    grid = (num_pairs, fmt.intermediate_size // config.split_i)
+    _fused_gemv_kernel[grid](**args, **prefixed, POOL_ID=pool_id, param_ptr=params, row_param=params.stride(0),
+                             num_pairs=num_pairs, BLOCK_I=config.split_i, BLOCK_N=config.block_n,
+                             num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
 
 
 def _paired_codes(dtype: torch.dtype) -> bool:
@@ -820,11 +937,20 @@ def pool_configs(num_tokens: int, pools: list[Pool | None], config=None) -> list
     if isinstance(config, list):
         config = tuple(config)
     mixed_cells = os.environ.get("MOETIDE_MIXED_TILES") != "0"  # 0: the format's own cell (A/B runs)
-    return list(_pool_configs(t_bucket(num_tokens), formats, config, mixed_cells))
+    one_launch = os.environ.get("MOETIDE_ONE_LAUNCH") != "0" and num_tokens <= FUSED_MAX_TOKENS
+    return list(_pool_configs(t_bucket(num_tokens), formats, config, mixed_cells, one_launch))
+
+
+def _shared_split(split_i: int, inter: int) -> int:
+    """The one-launch path's slice width for a layer of intermediate size `inter`: `split_i` halved
+    until it divides `inter` (every program a whole slice), 0 (two launches) below MIN_SPLIT_I."""
+    while split_i >= MIN_SPLIT_I and inter % split_i:
+        split_i //= 2
+    return split_i if split_i >= MIN_SPLIT_I else 0
 
 
 @lru_cache(maxsize=256)
-def _pool_configs(bucket: int, formats: tuple, config, mixed_cells: bool) -> tuple:
+def _pool_configs(bucket: int, formats: tuple, config, mixed_cells: bool, one_launch: bool = True) -> tuple:
     first = next(f for f in formats if f is not None)
     lo = formats[LO_POOL_ID] if len(formats) > LO_POOL_ID else None
     beside = lo.name if lo is not None and mixed_cells else None  # the other pools' `@<lo>` cells
@@ -843,7 +969,12 @@ def _pool_configs(bucket: int, formats: tuple, config, mixed_cells: bool) -> tup
     block_m = (lead or next(c for c in configs if c is not None)).block_m
     if not all(_fits_dot(replace(c, block_m=block_m), f) for c, f in zip(configs, formats, strict=True) if c):
         block_m = 1
-    return tuple(replace(c, block_m=block_m) if c is not None and c.block_m != block_m else c for c in configs)
+    # every pool of a layer on the lead's one-launch slices (the reduce sums one set), or all on two launches
+    # a cell tuned for two launches takes the lead's down chunks when it joins the lead's one launch
+    main = lead or next(c for c in configs if c is not None)
+    split_i = _shared_split(main.split_i, first.intermediate_size) if block_m == 1 and one_launch else 0
+    return tuple(replace(c, block_m=block_m, split_i=split_i, block_n=main.block_n if split_i and not c.split_i
+                         else c.block_n) if c is not None else None for c in configs)  # fmt: skip
 
 
 def fused_moe(
@@ -878,11 +1009,13 @@ def fused_moe(
     configs = pool_configs(num_tokens, pools, config)
     block_m = next(c for c in configs if c is not None).block_m
     one_pair = block_m == 1 or num_tokens <= GEMV_MAX_TOKENS  # each pair its own block: no sort
+    split_i = next(c for c in configs if c is not None).split_i  # > 0: one launch per pool
+    slices = inter // split_i if split_i else 1
     hidden = hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()  # pair p = t * k + j: the sort's input and the reduce's
     sorted_pair, block_expert = align_pairs(flat_ids, pool_of.numel(), 1 if one_pair else block_m)
     h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)
-    y = _pair_outputs(num_pairs, hidden_size, hidden.device)
+    y = _pair_outputs(num_pairs * slices, hidden_size, hidden.device)
     routing = topk_weights.contiguous().reshape(-1)
     blocks = block_expert.numel()
     dot_precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # no TF32 rounding of fp32
@@ -908,6 +1041,13 @@ def fused_moe(
         f, config = pool.format, configs[pool_id]
         tile = packed_tile or PACKED_TILE or config.packed_tile
         common["WAIT"] = pool_id if waits is not None and pool_id == waits[2] else -1  # only its pool waits
+        if split_i:
+            _launch_fused(pool, pool_id, config, tile, num_pairs, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h, y_ptr=y,
+                          routing_ptr=routing, ids_ptr=flat_ids, pool_of_ptr=pool_of, slot_of_ptr=slot_of,
+                          slot_stride=common["slot_stride"], wait_ptr=common["wait_ptr"],
+                          landed_ptr=common["landed_ptr"], TOP_K=top_k, HIDDEN=hidden_size, INTER=inter,
+                          WAIT=common["WAIT"], DOT_PRECISION=dot_precision, USE_GDC=bool(pdl))  # fmt: skip
+            continue
         _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
                        f.gate_up, hidden_size, config, tile, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
                        TOP_K=top_k, USE_GDC=bool(pdl), **common)  # fmt: skip
@@ -915,8 +1055,10 @@ def fused_moe(
                        f.down, inter, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
                        **pdl, **common)  # fmt: skip
     out = torch.empty_like(hidden)
-    _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, 1024))](y, out, flat_ids, pool_of, TOP_K=top_k,
-                                                                 HIDDEN=hidden_size, BLOCK=1024, **pdl)  # fmt: skip
+    block = max(64, 1024 // slices)  # per program ~1,024 rows' columns: more programs for more slices
+    _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, block))](y, out, flat_ids, pool_of, TOP_K=top_k,
+                                                                  HIDDEN=hidden_size, BLOCK=block, SLICES=slices,
+                                                                  **pdl)  # fmt: skip
     return out
 
 

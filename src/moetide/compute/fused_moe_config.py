@@ -18,6 +18,8 @@ from pathlib import Path
 TABLE_PATH = Path(__file__).with_name("fused_moe_configs.json")
 T_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 GEMV_MAX_TOKENS = 2  # up to this many tokens, every pair is its own block (no sort), GEMV tiles by default
+FUSED_MAX_TOKENS = 16  # up to this many tokens, GEMV tiles may take the one-launch path (`KernelConfig.split_i`)
+MIN_SPLIT_I = 32  # the narrowest slice of I a one-launch program takes (bounds its per-slice outputs)
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,10 @@ class KernelConfig:
     """block_m rows per block (1 = GEMV), block_n output columns, block_k the K-step of the reduction
     loop (for packed matrices: it may span several groups, computed as one product per group, and is
     cut to divide the row; `fused_moe.k_tiles`), warps and pipeline stages per program, and the tile
-    product of packed matrices (`fused_moe.PACKED_TILES`; dense ones ignore it)."""
+    product of packed matrices (`fused_moe.PACKED_TILES`; dense ones ignore it). split_i > 0 (GEMV
+    tiles, up to FUSED_MAX_TOKENS tokens): one launch per pool computes gate_up, SiLU·mul and down,
+    each program a slice of split_i intermediate columns of one pair (`fused_moe._fused_gemv_kernel`);
+    block_n is then the width of its down loop's output chunks. 0: a gate_up and a down launch."""
 
     block_m: int = 16
     block_n: int = 64
@@ -33,6 +38,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     packed_tile: str = "v1"
+    split_i: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -41,6 +47,8 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a power of two, got {value}")
         if self.block_m != 1 and self.block_m < 16 or self.block_n < 16 or self.block_k < 16:
             raise ValueError("tl.dot needs block_m (unless 1), block_n and block_k >= 16")
+        if self.split_i and (self.block_m != 1 or self.split_i < MIN_SPLIT_I or self.split_i & (self.split_i - 1)):
+            raise ValueError(f"split_i must be 0, or a power of two >= {MIN_SPLIT_I} with block_m 1, got {self.split_i}")
 
 
 def t_bucket(num_tokens: int) -> int:
@@ -115,4 +123,8 @@ def moe_scratch_bytes(model_config, hi_expert_bytes: int, num_tokens: int) -> in
     rows = pairs + min(experts, pairs) * (default_config(num_tokens).block_m - 1)
     hidden = model_config.hidden_size
     inter_bytes = hi_expert_bytes // (3 * hidden)  # I x the element size
-    return max(rows * inter_bytes + pairs * hidden * 4, hi_expert_bytes)
+    # the one-launch path's outputs: one row per (pair, slice of I) at up to FUSED_MAX_TOKENS tokens
+    fused_pairs = min(num_tokens, FUSED_MAX_TOKENS) * top_k
+    slices = max(1, inter_bytes // 2 // MIN_SPLIT_I)  # at most I // MIN_SPLIT_I (an element takes >= 2 bytes)
+    fused = fused_pairs * inter_bytes + fused_pairs * slices * hidden * 4
+    return max(rows * inter_bytes + pairs * hidden * 4, fused, hi_expert_bytes)
