@@ -18,9 +18,13 @@ Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed 
   gate_up   per pool, grid (blocks, cdiv(I, BLOCK_N)): h = silu(x @ Wg^T) * (x @ Wu^T) into a
             (padded pairs, I) scratch. Blocks whose expert lives in another pool exit at once.
   down      per pool, grid (blocks, cdiv(H, BLOCK_N)): y[pair] = w[pair] * (h @ Wd^T), float32.
-  reduce    out[t] = sum_j y[t * k + j] in float32 over the pairs whose expert has a version (y is
-            never filled), cast to the activations' dtype, one kernel (`_reduce_kernel`):
-            deterministic, no atomics.
+  one launch  (GEMV tiles with `KernelConfig.split_i`, up to FUSED_MAX_TOKENS tokens) gate_up and
+            down in one launch per pool, grid (P, I / split_i): each program computes its pair's
+            slice of h and that slice's share of y, one float32 row per (pair, slice)
+            (`_fused_gemv_kernel`); the slices of every pool of a layer are the lead pool's.
+  reduce    out[t] = sum_j y[t * k + j] (and over the slices) in float32 over the pairs whose
+            expert has a version (y is never filled), cast to the activations' dtype, one kernel
+            (`_reduce_kernel`): deterministic, no atomics.
 
 Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
 tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
