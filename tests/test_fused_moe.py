@@ -334,7 +334,7 @@ def test_fused_kernel_empty_table_adds_nothing(kernel):
 
 
 def align_pairs_reference(topk_ids, num_experts, block_m):
-    """`fused_moe.align_pairs` in plain PyTorch (a stable sort): what the one-program kernel must equal."""
+    """`fused_moe.align_pairs` in plain PyTorch (a stable sort): what the kernel must equal."""
     flat = topk_ids.reshape(-1).to(torch.int64).cpu()
     num_pairs = flat.numel()
     counts = torch.bincount(flat, minlength=num_experts)
@@ -350,12 +350,13 @@ def align_pairs_reference(topk_ids, num_experts, block_m):
 
 
 @pytest.mark.parametrize("block_m", [1, 16, 64])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(37, E, TOP_K), (300, 60, 4)])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(37, E, TOP_K), (300, 60, 4), (3, 64, 8), (160, 64, 8)])
 def test_fused_kernel_align_pairs(kernel, block_m, num_tokens, num_experts, top_k):
-    """The one-program counting sort equals a stable sort by expert: every pair lands once, in pair
-    order within a block of its own expert; padding rows hold the sentinel P, blocks past the last
-    -1 (60 experts: a count vector padded to 64; 1,200 pairs: several chunks). GEMV tiles (block_m
-    1) are the router's ids as they are."""
+    """The counting sort (a program per expert) equals a stable sort by expert: every pair lands once,
+    in pair order within a block of its own expert; padding rows hold the sentinel P, blocks past the
+    last -1 (60 experts: a count vector padded to 64; 1,200 or 1,280 pairs: several chunks; 24 pairs
+    over 64 experts: most experts without a pair, most rows past the last block). GEMV tiles
+    (block_m 1) are the router's ids as they are."""
     ids, _ = routing(num_tokens, num_experts, top_k, torch.float32, seed=11)
     sorted_pair, block_expert = kernel.align_pairs(ids, num_experts, block_m)
     if block_m == 1:

@@ -11,7 +11,8 @@ H hidden, I expert intermediate.
 
 Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed T):
   align     pairs sorted by expert into blocks of BLOCK_M rows, each block one expert, by one
-            program (`align_pairs`, a counting sort after vLLM's `moe_align_block_size`); at
+            launch of a program per expert (`align_pairs`, a counting sort after vLLM's
+            `moe_align_block_size`); at
             BLOCK_M == 1 (GEMV tiles), and for any tiles at T <= GEMV_MAX_TOKENS, every pair is
             its own block (its first row; h indexed by pair) and the kernels read the router's ids
             as they are: no sort.
@@ -754,41 +755,44 @@ def _fused_gemv_kernel(
 @triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, num_pairs, NUM_EXPERTS: tl.constexpr,
                   EXPERTS_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """`align_pairs` in one program: a counting sort of the pairs by expert, stable.
+    """`align_pairs`, one program per expert e (grid (E,)): a counting sort of the pairs by expert, stable.
 
-    Pass 1 counts each expert's pairs (one-hot rows of CHUNK pairs, summed), pads them to BLOCK_M and
-    takes their prefix sums: expert e's rows are [ends[e] - padded[e], ends[e]). A block's expert is
-    the number of ends at or before its first row. Pass 2 gives each pair its rank among its expert's
-    pairs (a running count plus a prefix sum down the chunk) and stores it at its expert's start +
-    rank, over rows first filled with the sentinel `num_pairs`."""
+    Every program counts every expert's pairs (one-hot rows of CHUNK pairs, summed), pads the counts to
+    BLOCK_M and takes their prefix sums: expert e's rows are [starts[e], starts[e] + padded[e]). Program
+    e then stores its own pairs there in pair order (a running count plus a prefix sum of the chunk's
+    matches), the sentinel `num_pairs` in its padding rows and e as the expert of its blocks; the rows
+    and blocks past the last expert's are shared out among the programs (sentinel, -1)."""
+    e = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_P2)
-    for r0 in range(0, ROWS, CHUNK):
-        rows = r0 + tl.arange(0, CHUNK)
-        tl.store(sorted_pair_ptr + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=rows < ROWS)
     counts = tl.zeros((EXPERTS_P2,), dtype=tl.int32)
     for p0 in range(0, num_pairs, CHUNK):
         offs = p0 + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    NUM_BLOCKS: tl.constexpr = ROWS // BLOCK_M
-    for b0 in range(0, NUM_BLOCKS, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        expert = tl.where(expert < NUM_EXPERTS, expert, -1)
-        tl.store(block_expert_ptr + blocks, expert, mask=blocks < NUM_BLOCKS)
-    tl.debug_barrier()  # the sentinel rows are written before any pair lands
-    running = tl.zeros((EXPERTS_P2,), dtype=tl.int32)
+    starts = tl.cumsum(padded, axis=0) - padded
+    start = tl.sum(tl.where(experts == e, starts, 0))
+    count = tl.sum(tl.where(experts == e, counts, 0))
+    pad = tl.sum(tl.where(experts == e, padded, 0))
+    total = tl.sum(padded)
+    running = count * 0
     for p0 in range(0, num_pairs, CHUNK):
         offs = p0 + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # (CHUNK, EXPERTS_P2)
-        rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + running[None, :]), axis=1)
-        dest = tl.sum(onehot * starts[None, :], axis=1) + rank
-        tl.store(sorted_pair_ptr + dest, offs, mask=offs < num_pairs)
-        running += tl.sum(onehot, axis=0)
+        mine = (ids == e).to(tl.int32)
+        rank = tl.cumsum(mine, axis=0) - 1 + running
+        tl.store(sorted_pair_ptr + start + rank, offs, mask=(mine > 0) & (offs < num_pairs))
+        running += tl.sum(mine, axis=0)
+    lanes = tl.arange(0, BLOCK_M)
+    tl.store(sorted_pair_ptr + start + count + lanes, lanes * 0 + num_pairs, mask=count + lanes < pad)
+    chunk = tl.arange(0, CHUNK)
+    for b0 in range(0, pad // BLOCK_M, CHUNK):
+        tl.store(block_expert_ptr + start // BLOCK_M + b0 + chunk, chunk * 0 + e, mask=b0 + chunk < pad // BLOCK_M)
+    for r0 in range(total + e * CHUNK, ROWS, NUM_EXPERTS * CHUNK):
+        tl.store(sorted_pair_ptr + r0 + chunk, chunk * 0 + num_pairs, mask=r0 + chunk < ROWS)
+    NUM_BLOCKS: tl.constexpr = ROWS // BLOCK_M
+    for b0 in range(total // BLOCK_M + e * CHUNK, NUM_BLOCKS, NUM_EXPERTS * CHUNK):
+        tl.store(block_expert_ptr + b0 + chunk, chunk * 0 - 1, mask=b0 + chunk < NUM_BLOCKS)
 
 
 def aligned_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -802,7 +806,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     topk_ids (T, k), or flattened (P,) -> (sorted_pair (R,) int32: pair id t*k + j at each row, P
     where padding; block_expert (R // block_m,) int32: each block's expert, -1 past the last block). R is
     `aligned_rows(P, E, block_m)`, so shapes depend on T only (graph capture) and nothing is read
-    back on the host; one launch (`_align_kernel`), pairs of one expert in pair order. block_m == 1:
+    back on the host; one launch of a program per expert (`_align_kernel`), pairs of one expert in pair order. block_m == 1:
     no sort, every pair is its own block and both are the flat ids, which the kernels read as such."""
     flat = topk_ids.reshape(-1).contiguous()
     if block_m == 1:
@@ -812,7 +816,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_pair = torch.empty(rows, device=flat.device, dtype=torch.int32)
     block_expert = torch.empty(rows // block_m, device=flat.device, dtype=torch.int32)
     experts_p2 = triton.next_power_of_2(num_experts)
-    _align_kernel[(1,)](flat, sorted_pair, block_expert, num_pairs, NUM_EXPERTS=num_experts,
+    _align_kernel[(num_experts,)](flat, sorted_pair, block_expert, num_pairs, NUM_EXPERTS=num_experts,
                         EXPERTS_P2=experts_p2, ROWS=rows, BLOCK_M=block_m,
                         CHUNK=max(16, min(256, 16384 // experts_p2)), num_warps=8)  # fmt: skip
     return sorted_pair, block_expert
