@@ -116,7 +116,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def one_launch_candidates():
     """The one-launch path (`KernelConfig.split_i`): slice width, down chunk width, gate_up K-step, warps."""
-    for si, bn, bk, w in itertools.product((64, 128, 32), (128, 256), (512, 1024), (4, 8)):
+    for si, bn, (bk, w) in itertools.product((64, 128, 32), (128, 256), ((512, 4), (1024, 8), (512, 8))):
         yield KernelConfig(1, bn, bk, w, 2, split_i=si)
 
 
