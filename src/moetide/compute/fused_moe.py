@@ -655,7 +655,7 @@ def _down_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one compile for every T
-def _fused_gemv_kernel(
+def _fused_gemv_kernel(  # long: one program's GEMV, SiLU-mul and down slice share registers
     x_ptr,
     stride_x,
     h_ptr,
@@ -1062,7 +1062,14 @@ def fused_moe(
         _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
                        f.down, inter, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
                        **pdl, **common)  # fmt: skip
+    return _reduce(y, hidden, flat_ids, pool_of, top_k, slices, pdl)
+
+
+def _reduce(y, hidden, flat_ids, pool_of, top_k: int, slices: int, pdl: dict) -> torch.Tensor:
+    """out[t] = sum over t's pairs (and their `slices` slices) of y's float32 rows: `(T, H)`, the
+    activations' dtype, one launch (`_reduce_kernel`)."""
     out = torch.empty_like(hidden)
+    num_tokens, hidden_size = hidden.shape
     block = max(64, 1024 // slices)  # per program ~1,024 rows' columns: more programs for more slices
     _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, block))](y, out, flat_ids, pool_of, TOP_K=top_k,
                                                                   HIDDEN=hidden_size, BLOCK=block, SLICES=slices,
