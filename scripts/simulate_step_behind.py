@@ -123,6 +123,17 @@ def select(score: np.ndarray, rec: np.ndarray, capacity: int, scope: str) -> np.
     return out
 
 
+def rates(D: Data, hits: int, uses: int, decode_hits: int, decode_uses: int, loads: int) -> dict:
+    """A run's hit rates (all, decode steps, prefill steps), its uses and its loads per counted step."""
+    return {
+        "hit_rate": hits / uses,
+        "decode_hit_rate": decode_hits / decode_uses,
+        "prefill_hit_rate": (hits - decode_hits) / max(uses - decode_uses, 1),
+        "uses": uses,
+        "loads_per_step": loads / int(D.counted.sum()),
+    }
+
+
 def evaluate(D: Data, scores: np.ndarray, capacity: int, scope: str) -> dict:
     """Hit rates of a pure step-behind predictor; `scores[t]` may use steps < t only."""
     hits = dem = dh = dd = 0
@@ -136,14 +147,7 @@ def evaluate(D: Data, scores: np.ndarray, capacity: int, scope: str) -> dict:
         hits, dem = hits + h, dem + n
         if not D.prefill[t]:
             dh, dd = dh + h, dd + n
-    steps = int(D.counted.sum())
-    return {
-        "hit_rate": hits / dem,
-        "decode_hit_rate": dh / dd,
-        "prefill_hit_rate": (hits - dh) / max(dem - dd, 1),
-        "uses": dem,
-        "loads_per_step": swaps / steps,
-    }
+    return rates(D, hits, dem, dh, dd, swaps)
 
 
 # -- predictors (each returns (S, L, J) scores, row t from steps < t) ------------------------------
@@ -464,14 +468,7 @@ def in_step(
                     if not np.isfinite(sc.reshape(-1)[key]):
                         break
                     insert(int(key) // J, [int(key) % J], layer)
-    steps = int(D.counted.sum())
-    return {
-        "hit_rate": hits / dem,
-        "decode_hit_rate": dh / dd,
-        "prefill_hit_rate": (hits - dh) / max(dem - dd, 1),
-        "uses": dem,
-        "loads_per_step": loads / steps,
-    }
+    return rates(D, hits, dem, dh, dd, loads)
 
 
 def _t(p: np.ndarray):
