@@ -3,6 +3,7 @@
 the CUDA profiler, per (format, T), on the OLMoE shape with the committed tiles.
 
     python scripts/profile_fused_layer.py --out out/layer_kernels.json [--tokens 1,8] [--formats int2,int4,bfloat16]
+        [--against-pdl] [--against-default] [--against-config 1,32,256,8,2,v6]
 
 Each call is run `--reps` times under torch.profiler; per kernel name the mean device microseconds per
 call are reported, with their sum and the graph-replayed wall time of the call (as the tuner times it).
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tune_fused_moe import ROOFLINE_BYTES_S, SHAPES, layer_bytes, layer_inputs, make_pool, time_layer  # noqa: E402
 
 from moetide.compute import fused_moe as fm  # noqa: E402
-from moetide.compute.fused_moe_config import default_config  # noqa: E402
+from moetide.compute.fused_moe_config import KernelConfig, default_config  # noqa: E402
 
 
 def kernel_times(pool, inputs, reps: int) -> dict[str, float]:
@@ -51,6 +52,10 @@ def main() -> int:
     ap.add_argument("--against-default", action="store_true",
                     help="also time each cell on `default_config` (what a bucket the table lacks ran on before "
                          "it took its nearest tuned bucket's tiles)")  # fmt: skip
+    ap.add_argument("--against-pdl", action="store_true",
+                    help="also time each cell with MOETIDE_PDL flipped (programmatic dependent launches)")
+    ap.add_argument("--against-config", default=None,
+                    help="also time each cell on these tiles: block_m,block_n,block_k,warps,stages[,tile product]")
     args = ap.parse_args()
     hidden, inter, experts, top_k = SHAPES[args.shape]
     rows = []
@@ -65,6 +70,16 @@ def main() -> int:
             rows.append({"format": fmt, "tokens": t, "config": vars(config), "graph_us": round(graph_us, 2),
                          "roofline_us": round(roof_us, 2), "vs_roofline": round(graph_us / roof_us, 2),
                          "kernels_us": kernels, "kernels_sum_us": round(sum(kernels.values()), 2)})  # fmt: skip
+            if args.against_pdl:  # the same call with programmatic dependent launches, in this process
+                fm.PDL = not fm.PDL
+                other_us, _ = time_layer(pool, inputs, config, config.packed_tile)
+                fm.PDL = not fm.PDL
+                rows[-1].update({"pdl": fm.PDL, "other_pdl_graph_us": round(other_us, 2)})
+            if args.against_config:  # the same call on other tiles (KernelConfig fields), in this process
+                other = KernelConfig(*[int(v) for v in args.against_config.split(",")[:5]],
+                                     *args.against_config.split(",")[5:6])  # fmt: skip
+                other_us, _ = time_layer(pool, inputs, other, other.packed_tile)
+                rows[-1].update(other_config=vars(other), other_graph_us=round(other_us, 2))
             if args.against_default:
                 default = default_config(t)
                 default_us, _ = time_layer(pool, inputs, default, default.packed_tile)

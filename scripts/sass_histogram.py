@@ -40,9 +40,12 @@ def compile_kernel(kernel: str, bits: int, group: int, tiles: list[int], packed:
                                           "wait_ptr", "landed_ptr")})  # fmt: skip
     sig.update({name: "i32" for name in ("slot_stride", "num_pairs", "POOL_ID", "row_data", "row_param",
                                          "data_off", "scale_off", "offset_off")})  # fmt: skip
-    sig.update(data_ptr="*u8", param_ptr="*fp16")
-    const.update(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, group),
-                 PACKED=fm.PACKED_TILES[packed], DOT_PRECISION="tf32", WAIT=wait_pool)  # fmt: skip
+    words = packed in ("v6", "v7") and block_m == 1 or fm.PACKED_TILES[packed] >= 5 and block_m > 1
+    sig.update(data_ptr="*i32" if words else "*u8", param_ptr="*fp16")  # v4..v7 read the arena as int32 words
+    sub_k = block_k if packed == "v7" and block_m == 1 else min(block_k, group)  # v7: one product per K-step
+    const.update(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k,
+                 PACKED=fm.PACKED_TILES[packed], DOT_PRECISION="tf32", WAIT=wait_pool, ONE_PAIR=block_m == 1,
+                 USE_GDC=False)  # fmt: skip
     sig.update({name: "constexpr" for name in const})
     sig = {a: sig[a] for a in jit.arg_names}
     aligned = [i for i, a in enumerate(jit.arg_names)

@@ -121,6 +121,9 @@ def one_launch_candidates():
 
 
 def candidates(num_tokens: int, one_launch_only: bool = False):
+    if num_tokens <= 2 and not one_launch_only:  # whole-row K-steps of few warps (v7's products)
+        for bk, bn, w in itertools.product((2048, 1024), (16, 32), (2, 4, 1)):
+            yield KernelConfig(1, bn, bk, w, 2)
     if num_tokens <= FUSED_MAX_TOKENS:  # GEMV tiles in one launch per pool first (a program per pair and slice)
         yield from one_launch_candidates()
     if one_launch_only:

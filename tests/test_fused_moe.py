@@ -145,8 +145,8 @@ def test_fused_kernel_mixed_table(kernel, dtype, num_tokens):
     "packed_tile,dtype",
     [(t, d) for t in ("v2", "v2i") for d in (torch.float32, torch.bfloat16)]
     + [("v3", torch.bfloat16), ("v3", torch.float16)]
-    + [(t, d) for t in ("v4", "v5", "v6") for d in (torch.bfloat16, torch.float16)]
-    + [("v4", torch.float32), ("v6", torch.float32)],
+    + [(t, d) for t in ("v4", "v5", "v6", "v7") for d in (torch.bfloat16, torch.float16)]
+    + [("v4", torch.float32), ("v6", torch.float32), ("v7", torch.float32)],
 )
 @pytest.mark.parametrize("num_tokens", [1, 3, 33, 80])
 def test_fused_kernel_packed_tile_products(kernel, packed_tile, dtype, num_tokens):
@@ -156,12 +156,13 @@ def test_fused_kernel_packed_tile_products(kernel, packed_tile, dtype, num_token
     (16 bytes of codes per K-tile), gate_up has two K-tiles per row, inside one group (int2) or one
     group each (int4). v3 converts the codes without int-to-float conversions (float16 exercises it
     under the interpreter, bfloat16 on CUDA: the interpreter's bf16 takes v2's float32 codes); v6's
-    GEMV tiles set them into float32 mantissas and sum once (every dtype at T=1)."""
+    GEMV tiles set them into float32 mantissas and sum once (every dtype at T=1), v7's over a whole
+    K-step of groups at once."""
     # under the interpreter bf16 codes take v2's float32 path (its bf16 arithmetic is wrong)
-    if not CUDA and dtype == torch.bfloat16 and packed_tile in ("v2i", "v3", "v4", "v5", "v6"):
+    if not CUDA and dtype == torch.bfloat16 and packed_tile in ("v2i", "v3", "v4", "v5", "v6", "v7"):
         pytest.skip("CUDA only: under the interpreter the same path as v2's bf16 case")
-    if not CUDA and packed_tile == "v6" and num_tokens > 1:
-        pytest.skip("CUDA only: under the interpreter v6's dot tiles are v5's (float16) or v3's (float32) case")
+    if not CUDA and packed_tile in ("v6", "v7") and num_tokens > 1:
+        pytest.skip("CUDA only: under the interpreter v6's and v7's dot tiles are v5's (float16) or v3's (float32) case")
     hidden_size, inter = 128, 64
     pools = [
         make_pool(3, inter, hidden_size, "hi", dtype, seed=1),
@@ -220,12 +221,14 @@ def test_fused_kernel_ladder_table_reads_its_middle_pool(kernel, num_tokens):
 @pytest.mark.parametrize(
     "config,num_tokens,packed_tile",
     [(KernelConfig(1, 16, 32), 5, None), (KernelConfig(16, 32, 64), 5, None), (KernelConfig(32, 16, 16), 5, None),
-     (KernelConfig(1, 32, 64), 2, "v6"), (KernelConfig(16, 32, 64), 2, None)],
+     (KernelConfig(1, 32, 64), 2, "v6"), (KernelConfig(1, 32, 64), 2, "v7"), (KernelConfig(1, 16, 128), 1, "v7"),
+     (KernelConfig(16, 32, 64), 2, None)],
 )  # fmt: skip
 def test_fused_kernel_tiles(kernel, precision, config, num_tokens, packed_tile):
     """Every tile shape computes the same function: K-steps of one group (16, 32) or two (64: gate_up's
     K is 64, down's 32, cut to 32), GEMV tiles (the table's product, and v6's partial sums, whose
-    words hold 16 int2 / 8 int4 codes: 2 or 4 words per group), and dot tiles over sorted blocks
+    words hold 16 int2 / 8 int4 codes: 2 or 4 words per group; v7's whole K-steps of two groups, or of
+    one group cut short at down's K of 32), and dot tiles over sorted blocks
     (5 tokens) or over one-pair blocks (2 tokens, no sort; int2's 64-wide steps of 32-code groups
     leave it GEMV tiles)."""
     pools = [make_pool(E, I, H, precision, torch.float32, seed=4, group_size=32)]
@@ -243,10 +246,11 @@ WIDE_I = 128  # four slices of the narrowest one-launch width
 
 # every (dtype, T, slices, tile product) on CUDA; a cover of each under the interpreter (CPU time)
 ONE_LAUNCH_CASES = (
-    [(d, t, s, v) for d in (torch.float32, torch.bfloat16) for t in (1, 3, 16) for s, v in ((32, "v6"), (64, "v1"), (32, "v3"))]
+    [(d, t, s, v) for d in (torch.float32, torch.bfloat16) for t in (1, 3, 16)
+     for s, v in ((32, "v6"), (64, "v7"), (64, "v1"), (32, "v3"))]
     if CUDA
-    else [(torch.float32, 1, 32, "v6"), (torch.bfloat16, 1, 64, "v6"), (torch.bfloat16, 3, 64, "v1"),
-          (torch.float32, 5, 32, "v3")]
+    else [(torch.float32, 1, 32, "v6"), (torch.bfloat16, 1, 64, "v6"), (torch.float32, 1, 64, "v7"),
+          (torch.bfloat16, 3, 64, "v1"), (torch.float32, 5, 32, "v3")]
 )  # fmt: skip
 
 

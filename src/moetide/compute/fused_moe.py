@@ -58,9 +58,13 @@ only:
   v6   GEMV tiles: int32 words, each code set into the mantissa of 1.0 by one mask and OR (int2:
        two codes per shift) and multiplied with its activation scaled to match, into partial sums
        that are reduced once after the K loop (`_gemv_words`): no int-to-float conversion and no
-       reduction per K-step, whatever the activation dtype; the table's for int2 and int4 at T = 1.
-       Dot tiles: v5.
-v2 to v6 round no weight: their results differ from the reference (which rounds the dequantized
+       reduction per K-step, whatever the activation dtype; the table's for int2 at T = 1 and 2 and
+       int4 at T = 2. Gate and up share one pass over the activations. Dot tiles: v5.
+  v7   GEMV tiles: v6's codes, but a whole K-step of several groups as one (BLOCK_N, groups, words)
+       tile, the group sums taken once per step (`_gemv_groups`); the table's for int4 at T = 1
+       (35.3 against v6's 39.7 µs a layer on the H200; int2 lost, 40.2 against 32.7: BENCHMARKS.md
+       §0l). Dot tiles: v5.
+v2 to v7 round no weight: their results differ from the reference (which rounds the dequantized
 weights to the activation dtype before its matmul) by that rounding, ~2^-9 relative per weight for
 bf16 activations, none for float32. The GEMV tiles (BLOCK_M 1) follow the same switch, in float32.
 gate_up and down each carry their own format, so one expert version may hold int2 gate_up with int4
@@ -70,7 +74,8 @@ see BENCHMARKS.md for the measurement).
 
 MOETIDE_PDL=1 (`PDL`) launches down and reduce as programmatic dependents of the launch before each
 (sm_90+): scheduled while it finishes, each waits on the device (`gdc_wait`) before reading its input.
-Off by default: an A/B switch, not yet measured against the plain launches.
+Off by default: on the H200 it saved 0.4-4.9 % of a layer in 13 of 15 cells (BENCHMARKS.md §0l),
+but decode tok/s did not follow (static-int2 at batch 1 lost 14 %).
 
 Import this module only where triton is installed; on CPU it runs under Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported), which the tests use.
@@ -90,13 +95,13 @@ from .fused_moe_config import FUSED_MAX_TOKENS, GEMV_MAX_TOKENS, MIN_SPLIT_I, Ke
 from ..residency.slot_table import MatrixFormat, Pool, PoolFormat
 
 # The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix).
-PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4, "v4": 5, "v5": 6, "v6": 7}
+PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4, "v4": 5, "v5": 6, "v6": 7, "v7": 8}
 PACKED_TILE = os.environ.get("MOETIDE_PACKED_TILE") or None  # set: every call's, for A/B runs
 if PACKED_TILE is not None and PACKED_TILE not in PACKED_TILES:
     raise ValueError(f"MOETIDE_PACKED_TILE must be one of {sorted(PACKED_TILES)}, got {PACKED_TILE!r}")
 # MOETIDE_PDL=1: the down and reduce launches use programmatic dependent launch on sm_90+ (each may be
 # scheduled while the launch before it finishes, and waits on the device before reading its input);
-# off by default until measured (an A/B switch for the tuner and the decode benchmarks)
+# off by default: measured, the layer's gains did not reach decode (an A/B switch for the benchmarks)
 PDL = os.environ.get("MOETIDE_PDL") == "1"
 
 
@@ -320,46 +325,126 @@ def _paired_product(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, r
 
 @triton.jit
 def _gemv_words(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, row_words, row_param, word_off,
-                scale_off, offset_off, offs_n, n_mask, k0, K: tl.constexpr, BITS: tl.constexpr,
-                GROUP: tl.constexpr, SUB_K: tl.constexpr):  # fmt: skip
+                scale_off, offset_off, offs_n, n_mask, second_n, k0, K: tl.constexpr, BITS: tl.constexpr,
+                GROUP: tl.constexpr, SUB_K: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
     """The GEMV tiles of v6: a[a_rows, k0 : k0 + SUB_K] . W[offs_n, same]^T (one group of a packed W,
     a_rows one row) as (SUB_K // codes per word, BLOCK_N) float32 partial sums, whose column sums are
     the product: the kernel accumulates them elementwise over the whole K loop and reduces once.
+    TWO (gate and up): the columns offs_n + second_n too, from the same activations -> (first,
+    second); else (first, first).
 
     The tile is read as int32 words (as in `_paired_product`), word j holding codes j * W .. j * W + W - 1
-    (W = 32 // BITS), code c at bits c * BITS. A code is set into the mantissa of 1.0 at bit p by one
-    mask and OR (int2: two codes per shift, at p = 19 and 21; int4: one, at p = 19), and the float
-    m = 1 + code * 2^(p - 23) multiplies a' = a * 2^(23 - p): a' m - a' = a * code, exactly
-    but for float32 rounding of at most 2^(23 - p + 1) ulps. No int-to-float conversion, no
-    reduction inside the K loop; the group's scale s and offset o: a . w = s (a' . m - sum a') +
-    o sum a."""
+    (W = 32 // BITS), code c at bits c * BITS; the codes are multiplied by `_mantissa_dot`. The
+    group's scale s and offset o: a . w = s (a' . m - sum a') + o sum a."""
     WORD: tl.constexpr = 32 // BITS
-    PER_SHIFT: tl.constexpr = 2 if BITS == 2 else 1
     WORDS_K: tl.constexpr = SUB_K // WORD
     offs_w = k0 // WORD + tl.arange(0, WORDS_K)
     w_ptrs = word_ptr + row * row_words + word_off + offs_n[None, :] * (K // WORD) + offs_w[:, None]
     words = tl.load(w_ptrs, mask=n_mask[None, :], other=0)  # (WORDS_K, BLOCK_N)
-    params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
-    dot = tl.zeros((WORDS_K, offs_n.shape[0]), dtype=tl.float32)
-    a_scaled = tl.zeros((WORDS_K, 1), dtype=tl.float32)
-    a_plain = tl.zeros((WORDS_K, 1), dtype=tl.float32)
+    words2 = words
+    if TWO:
+        words2 = tl.load(w_ptrs + second_n * (K // WORD), mask=n_mask[None, :], other=0)
     a_base = a_ptr + a_rows[None, :] * stride_a + (offs_w * WORD)[:, None]  # (WORDS_K, 1)
-    LOW: tl.constexpr = 23 - PER_SHIFT * BITS  # the bit where code q * PER_SHIFT lands
-    for q in tl.static_range(WORD // PER_SHIFT):  # (constexprs cannot be named inside a static loop)
-        if LOW >= BITS * PER_SHIFT * q:
-            shifted = words << (LOW - BITS * PER_SHIFT * q)
-        else:
-            shifted = words >> (BITS * PER_SHIFT * q - LOW)
-        for r in tl.static_range(PER_SHIFT):  # code q * PER_SHIFT + r, at bit p = LOW + r * BITS
-            m = ((shifted & (((1 << BITS) - 1) << (LOW + r * BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
-            a = tl.load(a_base + (q * PER_SHIFT + r), mask=a_mask[None, :], other=0.0).to(tl.float32)
-            a_s = a * (1 << (23 - LOW - r * BITS))
-            dot += a_s * m
-            a_scaled += a_s
-            a_plain += a
+    dot, dot2, a_scaled, a_plain = _mantissa_dot(words, words2, a_base, a_mask[None, :], BITS, TWO)
+    params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
+    first = _group_sums(dot, a_scaled, a_plain, params, scale_off, offset_off, n_mask)
+    second = first
+    if TWO:
+        second = _group_sums(dot2, a_scaled, a_plain, params + second_n * (K // GROUP), scale_off, offset_off,
+                             n_mask)  # fmt: skip
+    return first, second
+
+
+@triton.jit
+def _group_sums(dot, a_scaled, a_plain, params, scale_off, offset_off, n_mask):
+    """v6's partial sums of one group: s (a' . m - sum a') + o sum a, per word row and column."""
     scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)
     offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)
     return (dot - a_scaled) * scale[None, :] + a_plain * offset[None, :]
+
+
+@triton.jit
+def _gemv_groups(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, row_words, row_param, word_off,
+                 scale_off, offset_off, offs_n, n_mask, second_n, k0, K: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, STEP_K: tl.constexpr, TWO: tl.constexpr):  # fmt: skip
+    """The GEMV tiles of v7: a[a_rows, k0 : k0 + STEP_K] . W[offs_n, same]^T -> (1, BLOCK_N) float32, a
+    whole K-step of G groups (or of one part of a group) at once, a_rows one row; TWO as in
+    `_gemv_words`.
+
+    The step's words are one (BLOCK_N, G, words per group) tile, contiguous along its last two
+    dimensions (wide loads, every word of the step in flight together), multiplied by `_mantissa_dot`
+    with activations of shape (1, G, words per group), loaded and scaled once for the rows a thread
+    holds. The group sums then take each row's scales and offsets (BLOCK_N, G) and are summed over
+    the step."""
+    WORD: tl.constexpr = 32 // BITS
+    SPAN: tl.constexpr = GROUP if GROUP < STEP_K else STEP_K  # codes of one group inside the step
+    G: tl.constexpr = STEP_K // SPAN
+    WPG: tl.constexpr = SPAN // WORD
+    groups = tl.arange(0, G)
+    word_k = k0 // WORD + groups[:, None] * WPG + tl.arange(0, WPG)[None, :]  # (G, WPG) words of the row
+    w_ptrs = word_ptr + row * row_words + word_off + offs_n[:, None, None] * (K // WORD) + word_k[None, :, :]
+    words = tl.load(w_ptrs, mask=n_mask[:, None, None], other=0)  # (BLOCK_N, G, WPG)
+    words2 = words
+    if TWO:
+        words2 = tl.load(w_ptrs + second_n * (K // WORD), mask=n_mask[:, None, None], other=0)
+    a_base = a_ptr + a_rows[:, None, None] * stride_a + (word_k * WORD)[None, :, :]  # (1, G, WPG)
+    dot, dot2, a_scaled, a_plain = _mantissa_dot(words, words2, a_base, a_mask[:, None, None], BITS, TWO)
+    scaled, plain = tl.sum(a_scaled, axis=2), tl.sum(a_plain, axis=2)  # (1, G)
+    params = param_ptr + row * row_param + offs_n[:, None] * (K // GROUP) + ((k0 + groups * SPAN) // GROUP)[None, :]
+    first = _step_sum(dot, scaled, plain, params, scale_off, offset_off, n_mask)
+    second = first
+    if TWO:
+        second = _step_sum(dot2, scaled, plain, params + second_n * (K // GROUP), scale_off, offset_off, n_mask)
+    return first, second
+
+
+@triton.jit
+def _step_sum(dot, scaled, plain, params, scale_off, offset_off, n_mask):
+    """v7's product of one K-step: sum over its groups g of s (a' . m - sum a') + o sum a -> (1, BLOCK_N)."""
+    scale = tl.load(params + scale_off, mask=n_mask[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, G)
+    offset = tl.load(params + offset_off, mask=n_mask[:, None], other=0.0).to(tl.float32)
+    return tl.sum((tl.sum(dot, axis=2) - scaled) * scale + plain * offset, axis=1)[None, :]
+
+
+@triton.jit
+def _mantissa_dot(words, words2, a_base, a_ok, BITS: tl.constexpr, TWO: tl.constexpr):
+    """sum over the codes of each int32 word of a' m, as float32 partial sums of words' shape (and of
+    words2's, TWO: both from the same activations, loaded and scaled once), and the activations' own
+    sums a' and a (the shape of `a_base`, which broadcasts against words): code c of a word (bits
+    c * BITS) multiplies the activation at `a_base + c` (masked by `a_ok`).
+
+    A code is set into the mantissa of 1.0 at bit p by one mask and OR (int2: two codes per shift, at
+    p = 19 and 21; int4: one, at p = 19), and the float m = 1 + code * 2^(p - 23) multiplies
+    a' = a * 2^(23 - p): a' m - a' = a * code, exactly but for float32 rounding of at most
+    2^(23 - p + 1) ulps. No int-to-float conversion, no reduction."""
+    WORD: tl.constexpr = 32 // BITS
+    PER_SHIFT: tl.constexpr = 2 if BITS == 2 else 1
+    LOW: tl.constexpr = 23 - PER_SHIFT * BITS  # the bit where code q * PER_SHIFT lands
+    dot = tl.zeros(words.shape, dtype=tl.float32)
+    dot2 = dot
+    a_scaled = tl.zeros(a_base.shape, dtype=tl.float32)
+    a_plain = tl.zeros(a_base.shape, dtype=tl.float32)
+    for q in tl.static_range(WORD // PER_SHIFT):  # (constexprs cannot be named inside a static loop)
+        for r in tl.static_range(PER_SHIFT):  # code q * PER_SHIFT + r, at bit p = LOW + r * BITS
+            a = tl.load(a_base + (q * PER_SHIFT + r), mask=a_ok, other=0.0).to(tl.float32)
+            a_s = a * (1 << (23 - LOW - r * BITS))
+            dot += a_s * _mantissa(words, q, r, BITS, PER_SHIFT, LOW)
+            if TWO:
+                dot2 += a_s * _mantissa(words2, q, r, BITS, PER_SHIFT, LOW)
+            a_scaled += a_s
+            a_plain += a
+    return dot, dot2, a_scaled, a_plain
+
+
+@triton.jit
+def _mantissa(words, q: tl.constexpr, r: tl.constexpr, BITS: tl.constexpr, PER_SHIFT: tl.constexpr,
+              LOW: tl.constexpr):  # fmt: skip
+    """Code q * PER_SHIFT + r of each word as the float32 1 + code * 2^(LOW + r * BITS - 23)."""
+    if LOW >= BITS * PER_SHIFT * q:
+        shifted = words << (LOW - BITS * PER_SHIFT * q)
+    else:
+        shifted = words >> (BITS * PER_SHIFT * q - LOW)
+    return ((shifted & (((1 << BITS) - 1) << (LOW + r * BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -479,19 +564,19 @@ def _k_tile_products(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, 
                      TWO: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """The products of a[a_rows, k0 : k0 + SUB_K] with one K-sub-tile of W (inside one group of a
     packed W), for the columns offs_n and, TWO (gate and up), offs_n + second_n: (first, second)
-    float32 (BLOCK_M, BLOCK_N), transposed for v5 / v6's dot tiles, (SUB_K // codes per word, BLOCK_N)
-    partial sums for v6's GEMV tiles; not TWO: (first, first). The tile product is the one `PACKED`
+    float32 (BLOCK_M, BLOCK_N), transposed for v5 / v6 / v7's dot tiles, (SUB_K // codes per word,
+    BLOCK_N) partial sums for v6's GEMV tiles; not TWO: (first, first). The tile product is the one `PACKED`
     names (the launcher hands the GEMV tiles v3 for v4 / v5)."""
     PAIRS: tl.constexpr = BITS < 8 and PACKED >= 5 and BLOCK_M > 1
     if BITS < 8 and PACKED == 7 and BLOCK_M == 1:  # v6's GEMV tiles: partial sums (`_gemv_words`)
-        first = _gemv_words(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param,
-                            data_off, scale_off, offset_off, offs_n, n_mask, k0, K, BITS, GROUP, SUB_K)  # fmt: skip
-        second = first
-        if TWO:
-            second = _gemv_words(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param,
-                                 data_off, scale_off, offset_off, offs_n + second_n, n_mask, k0, K, BITS, GROUP,
-                                 SUB_K)  # fmt: skip
-    elif PAIRS:  # v4 / v5 (v6's dot tiles are v5's)
+        first, second = _gemv_words(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param,
+                                    data_off, scale_off, offset_off, offs_n, n_mask, second_n, k0, K, BITS, GROUP,
+                                    SUB_K, TWO)  # fmt: skip
+    elif BITS < 8 and PACKED == 8 and BLOCK_M == 1:  # v7's GEMV tiles: a whole K-step (`_gemv_groups`)
+        first, second = _gemv_groups(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data,
+                                     row_param, data_off, scale_off, offset_off, offs_n, n_mask, second_n, k0, K,
+                                     BITS, GROUP, SUB_K, TWO)  # fmt: skip
+    elif PAIRS:  # v4 / v5 (v6's and v7's dot tiles are v5's)
         first = _paired_product(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data, row_param,
                                 data_off, scale_off, offset_off, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_M, SUB_K,
                                 PACKED >= 6, DOT_PRECISION)  # fmt: skip
@@ -863,16 +948,19 @@ def k_tiles(block_k: int, matrix: MatrixFormat, k: int) -> tuple[int, int]:
 def _matrix_args(pool: Pool, matrix: MatrixFormat, k: int, block_k: int, block_m: int, packed_tile: str,
                  act_dtype: torch.dtype) -> dict:  # fmt: skip
     """The kernel arguments of one projection of `pool` (`matrix`, reduction length `k`) on K-steps of
-    `block_k` and, if packed, the tile product `packed_tile` (a `PACKED_TILES` name): v4 / v5 / v6 read
-    the arena as int32 words where they can, else they run as v3."""
+    `block_k` and, if packed, the tile product `packed_tile` (a `PACKED_TILES` name): v4 to v7 read
+    the arena as int32 words where they can, else they run as v3; v7's GEMV tiles take the whole
+    K-step as one product (SUB_K = BLOCK_K)."""
     data, data_off = pool.data_view(matrix), matrix.data_offset
     block_k, sub_k = k_tiles(block_k, matrix, k)
     if matrix.packed and PACKED_TILES[packed_tile] >= 5:
         words = pool.arena.shape[1] % 4 == 0 and data_off % 4 == 0
         if block_m > 1:  # codes set into bf16 / fp16 pairs
             words = words and _paired_codes(act_dtype)
-        else:  # GEMV tiles: v6's own (any activation dtype), v4 / v5 are v3 there
-            words = words and packed_tile == "v6" and sub_k % (32 // matrix.bits) == 0
+        else:  # GEMV tiles: v6's and v7's own (any activation dtype), v4 / v5 are v3 there
+            words = words and packed_tile in ("v6", "v7") and sub_k % (32 // matrix.bits) == 0
+            if words and packed_tile == "v7":  # one product per K-step, over its groups
+                sub_k = block_k
         if words:
             data, data_off = pool.arena.view(torch.int32), data_off // 4
         else:
