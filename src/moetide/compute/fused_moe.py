@@ -346,21 +346,23 @@ def _gemv_words(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, row_w
         words2 = tl.load(w_ptrs + second_n * (K // WORD), mask=n_mask[None, :], other=0)
     a_base = a_ptr + a_rows[None, :] * stride_a + (offs_w * WORD)[:, None]  # (WORDS_K, 1)
     dot, dot2, a_scaled, a_plain = _mantissa_dot(words, words2, a_base, a_mask[None, :], BITS, TWO)
-    params = param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP
-    first = _group_sums(dot, a_scaled, a_plain, params, scale_off, offset_off, n_mask)
+    params = (param_ptr + row * row_param + offs_n * (K // GROUP) + k0 // GROUP)[None, :]
+    first = _group_params(dot - a_scaled, a_plain, params, scale_off, offset_off, n_mask[None, :])
     second = first
     if TWO:
-        second = _group_sums(dot2, a_scaled, a_plain, params + second_n * (K // GROUP), scale_off, offset_off,
-                             n_mask)  # fmt: skip
+        second = _group_params(dot2 - a_scaled, a_plain, params + second_n * (K // GROUP), scale_off, offset_off,
+                               n_mask[None, :])  # fmt: skip
     return first, second
 
 
 @triton.jit
-def _group_sums(dot, a_scaled, a_plain, params, scale_off, offset_off, n_mask):
-    """v6's partial sums of one group: s (a' . m - sum a') + o sum a, per word row and column."""
-    scale = tl.load(params + scale_off, mask=n_mask, other=0.0).to(tl.float32)
-    offset = tl.load(params + offset_off, mask=n_mask, other=0.0).to(tl.float32)
-    return (dot - a_scaled) * scale[None, :] + a_plain * offset[None, :]
+def _group_params(codes, plain, params, scale_off, offset_off, mask):
+    """s * codes + o * plain, the group's float16 scale s and offset o loaded at `params` (masked by
+    `mask`, broadcast against codes): a . w of v6's and v7's products, codes = a' . m - sum a' and
+    plain = sum a."""
+    scale = tl.load(params + scale_off, mask=mask, other=0.0).to(tl.float32)
+    offset = tl.load(params + offset_off, mask=mask, other=0.0).to(tl.float32)
+    return codes * scale + plain * offset
 
 
 @triton.jit
@@ -391,19 +393,12 @@ def _gemv_groups(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, row_
     dot, dot2, a_scaled, a_plain = _mantissa_dot(words, words2, a_base, a_mask[:, None, None], BITS, TWO)
     scaled, plain = tl.sum(a_scaled, axis=2), tl.sum(a_plain, axis=2)  # (1, G)
     params = param_ptr + row * row_param + offs_n[:, None] * (K // GROUP) + ((k0 + groups * SPAN) // GROUP)[None, :]
-    first = _step_sum(dot, scaled, plain, params, scale_off, offset_off, n_mask)
+    first = _group_params(tl.sum(dot, axis=2) - scaled, plain, params, scale_off, offset_off, n_mask[:, None])
     second = first
     if TWO:
-        second = _step_sum(dot2, scaled, plain, params + second_n * (K // GROUP), scale_off, offset_off, n_mask)
-    return first, second
-
-
-@triton.jit
-def _step_sum(dot, scaled, plain, params, scale_off, offset_off, n_mask):
-    """v7's product of one K-step: sum over its groups g of s (a' . m - sum a') + o sum a -> (1, BLOCK_N)."""
-    scale = tl.load(params + scale_off, mask=n_mask[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, G)
-    offset = tl.load(params + offset_off, mask=n_mask[:, None], other=0.0).to(tl.float32)
-    return tl.sum((tl.sum(dot, axis=2) - scaled) * scale + plain * offset, axis=1)[None, :]
+        second = _group_params(tl.sum(dot2, axis=2) - scaled, plain, params + second_n * (K // GROUP), scale_off,
+                               offset_off, n_mask[:, None])  # fmt: skip
+    return tl.sum(first, axis=1)[None, :], tl.sum(second, axis=1)[None, :]  # (BLOCK_N, G) summed over the step
 
 
 @triton.jit
