@@ -91,6 +91,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import lo_cuda
 from .fused_moe_config import FUSED_MAX_TOKENS, GEMV_MAX_TOKENS, MIN_SPLIT_I, KernelConfig, config_for, t_bucket
 from ..residency.slot_table import MatrixFormat, Pool, PoolFormat
 
@@ -1068,7 +1069,7 @@ def _pool_configs(bucket: int, formats: tuple, config, mixed_cells: bool, one_la
                          else c.block_n) if c is not None else None for c in configs)  # fmt: skip
 
 
-def fused_moe(
+def fused_moe(  # long: every pool's launches share the layer's blocks, scratch and reduce
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -1100,7 +1101,9 @@ def fused_moe(
     configs = pool_configs(num_tokens, pools, config)
     block_m = next(c for c in configs if c is not None).block_m
     one_pair = block_m == 1 or num_tokens <= GEMV_MAX_TOKENS  # each pair its own block: no sort
-    split_i = next(c for c in configs if c is not None).split_i  # > 0: one launch per pool
+    rows_per_block = 1 if one_pair else block_m
+    on_cuda = _cuda_pools(pools, hidden, rows_per_block, topk_weights.dtype, config, packed_tile)
+    split_i = 0 if any(on_cuda) else next(c for c in configs if c is not None).split_i  # > 0: one launch per pool
     slices = inter // split_i if split_i else 1
     hidden = hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()  # pair p = t * k + j: the sort's input and the reduce's
@@ -1132,6 +1135,13 @@ def fused_moe(
         f, config = pool.format, configs[pool_id]
         tile = packed_tile or PACKED_TILE or config.packed_tile
         common["WAIT"] = pool_id if waits is not None and pool_id == waits[2] else -1  # only its pool waits
+        if on_cuda[pool_id]:  # the tensor-core kernels (`lo_cuda`): the same blocks, h and y
+            lo_waits = waits[:2] if common["WAIT"] >= 0 else None
+            _launch_lo_cuda(pool, pool_id, hidden, h, y, routing, dict(
+                blocks=blocks, block_m=rows_per_block, one_pair=one_pair, sorted_pair=sorted_pair,
+                block_expert=block_expert, pool_of=pool_of, slot_of=slot_of, num_pairs=num_pairs, top_k=top_k,
+                num_tokens=num_tokens, waits=lo_waits))  # fmt: skip
+            continue
         if split_i:
             _launch_fused(pool, pool_id, config, tile, num_pairs, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h, y_ptr=y,
                           routing_ptr=routing, ids_ptr=flat_ids, pool_of_ptr=pool_of, slot_of_ptr=slot_of,
@@ -1146,6 +1156,25 @@ def fused_moe(
                        f.down, inter, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
                        **pdl, **common)  # fmt: skip
     return _reduce(y, hidden, flat_ids, pool_of, top_k, slices, pdl)
+
+
+def _cuda_pools(pools: list, hidden: torch.Tensor, rows_per_block: int, routing_dtype: torch.dtype, config,
+                packed_tile: str | None) -> list[bool]:  # fmt: skip
+    """Per pool, whether it runs on the tensor-core kernels (`lo_cuda.eligible`): never where tiles or
+    a tile product are asked for (the tuners' and tests' Triton runs)."""
+    if config is not None or packed_tile is not None or PACKED_TILE is not None:
+        return [False] * len(pools)
+    return [pool is not None and lo_cuda.eligible(pool, hidden, rows_per_block, routing_dtype) for pool in pools]
+
+
+def _launch_lo_cuda(pool: Pool, pool_id: int, hidden, h, y, routing, blocks: dict) -> None:
+    """A packed pool's gate_up (x -> h) and down (h -> y, routing weights applied) on the tensor-core
+    kernels of `lo_cuda`, over the same blocks as the Triton launches (`blocks`: `lo_cuda.launch`'s
+    block arguments)."""
+    f = pool.format
+    lo_cuda.launch(pool, pool_id, f.gate_up, act=hidden, out=h, k=f.hidden_size, n=f.intermediate_size, **blocks)
+    lo_cuda.launch(pool, pool_id, f.down, act=h, out=y, k=f.intermediate_size, n=f.hidden_size, routing=routing,
+                   **blocks)  # fmt: skip
 
 
 def _reduce(y, hidden, flat_ids, pool_of, top_k: int, slices: int, pdl: dict) -> torch.Tensor:

@@ -1,0 +1,190 @@
+"""The lo pool's projections on tensor cores (`csrc/lo_mma.cu`), built once with nvcc, called by ctypes.
+
+`fused_moe` sends a packed pool's gate_up and down launches here (`eligible`) instead of to its
+Triton tiles, for T <= MAX_TOKENS: the same sorted blocks, scratch h and per-pair y, so the reduce
+and every other pool are unchanged. The kernel reads the arena rows as they are; why that can use
+tensor cores is in the source's header.
+
+Built on first use for the device's architecture into the cache directory (MOETIDE_KERNEL_CACHE, else
+~/.cache/moetide/kernels), under a name that hashes the source, the architecture and nvcc's version;
+a build takes ~10 s and says so on stderr. Off (the Triton tiles everywhere) where there is no CUDA
+device of sm_80 or newer, no nvcc (PATH, CUDA_HOME), or MOETIDE_LO_CUDA=0; a failed build is reported
+once, in one line, and leaves the Triton path on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..residency.slot_table import MatrixFormat, Pool
+
+SOURCE = Path(__file__).with_name("csrc") / "lo_mma.cu"
+MAX_TOKENS = 32  # above this the Triton dot tiles take the lo pool (measured: BENCHMARKS.md §0m)
+GROUP_BITS = 256  # a group of a row is 8 int32 words (int2 in groups of 128, int4 in groups of 64)
+BLOCK_MS = (1, 8, 16, 32)  # sorted block sizes the kernel takes (8 * its n8 tiles)
+ROUTING_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class LoArgs(ctypes.Structure):
+    """`LoArgs` of lo_mma.cu, field for field."""
+
+    _fields_ = [
+        ("act", ctypes.c_void_p),
+        ("act_stride", ctypes.c_longlong),
+        ("out", ctypes.c_void_p),
+        ("out_stride", ctypes.c_longlong),
+        ("routing", ctypes.c_void_p),
+        ("sorted_pair", ctypes.c_void_p),
+        ("block_expert", ctypes.c_void_p),
+        ("pool_of", ctypes.c_void_p),
+        ("slot_of", ctypes.c_void_p),
+        ("slot_stride", ctypes.c_longlong),
+        ("wait_of", ctypes.c_void_p),
+        ("landed", ctypes.c_void_p),
+        ("arena", ctypes.c_void_p),
+        ("row_bytes", ctypes.c_longlong),
+        ("data_off", ctypes.c_longlong),
+        ("scale_off", ctypes.c_longlong),
+        ("offset_off", ctypes.c_longlong),
+        ("num_pairs", ctypes.c_int),
+        ("pool_id", ctypes.c_int),
+        ("K", ctypes.c_int),
+        ("N", ctypes.c_int),
+        ("group", ctypes.c_int),
+        ("top_k", ctypes.c_int),
+        ("block_m", ctypes.c_int),
+        ("one_pair", ctypes.c_int),
+        ("experts_i64", ctypes.c_int),
+        ("routing_dtype", ctypes.c_int),
+    ]
+
+
+def enabled() -> bool:
+    """MOETIDE_LO_CUDA=0 turns the CUDA kernels off (read per call: A/B runs in one process)."""
+    return os.environ.get("MOETIDE_LO_CUDA", "1") != "0"
+
+
+def nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOETIDE_KERNEL_CACHE") or Path.home() / ".cache" / "moetide" / "kernels")
+
+
+def build(arch: str, compiler: str, out_dir: Path) -> Path:
+    """lo_mma.cu as a shared library for `arch` ("90": sm_90) in `out_dir`: `(path)`, built unless there.
+    RuntimeError (one line: nvcc's last line) if the build fails."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    target = out_dir / f"lo_mma_sm{arch}_{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"moetide: building the low-bit CUDA kernels for sm_{arch} (once, ~10 s) ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        built = Path(tmp) / target.name
+        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--cudart", "static",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", str(SOURCE), "-o", str(built)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+            raise RuntimeError(f"nvcc could not build {SOURCE.name} for sm_{arch}: {lines[-1]}")
+        os.replace(built, target)  # atomic: another process may build the same file
+    return target
+
+
+@lru_cache(maxsize=8)
+def library(device_index: int):
+    """The loaded library for one CUDA device, or None (off, no nvcc, an old GPU, a failed build)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    compiler = nvcc()
+    if major < 8 or compiler is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(f"{major}{minor}", compiler, cache_dir())))
+    except (RuntimeError, OSError) as error:
+        print(f"moetide: low-bit CUDA kernels off, the Triton tiles run instead: {error}", file=sys.stderr)
+        return None
+    lib.moetide_lo_mma.restype = ctypes.c_int
+    lib.moetide_lo_mma.argtypes = [ctypes.POINTER(LoArgs)] + [ctypes.c_int] * 5 + [ctypes.c_void_p]
+    lib.moetide_lo_error.restype = ctypes.c_char_p
+    lib.moetide_lo_error.argtypes = [ctypes.c_int]
+    return lib
+
+
+def _fits(matrix: MatrixFormat, k: int, n: int, row_bytes: int) -> bool:
+    return (matrix.bits in (2, 4) and matrix.group_size * matrix.bits == GROUP_BITS and k % matrix.group_size == 0
+            and n % 16 == 0 and matrix.data_offset % 16 == 0 and row_bytes % 16 == 0)  # fmt: skip
+
+
+def eligible(pool: Pool, hidden: torch.Tensor, block_m: int, routing_dtype: torch.dtype) -> bool:
+    """Whether this pool's launches go to the CUDA kernels: both matrices packed int2 / int4 in groups
+    of 256 bits (the default groups: 128 and 64 codes), rows aligned to 16 bytes, bf16 activations on a CUDA
+    device with the library built, T <= MAX_TOKENS and sorted blocks of at most 32 rows."""
+    f = pool.format
+    if not (enabled() and hidden.is_cuda and hidden.dtype == torch.bfloat16 and block_m in BLOCK_MS):
+        return False
+    if routing_dtype not in ROUTING_DTYPES:
+        return False
+    if hidden.shape[0] > MAX_TOKENS or not (f.gate_up.packed and f.down.packed):
+        return False
+    row_bytes = pool.arena.shape[1]
+    if not (_fits(f.gate_up, f.hidden_size, f.intermediate_size, row_bytes)
+            and _fits(f.down, f.intermediate_size, f.hidden_size, row_bytes)):  # fmt: skip
+        return False
+    return library(hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()) is not None
+
+
+def warps_along_k(num_tokens: int, groups: int, bits: int = 2) -> int:
+    """Warps of a program that split K (the others split N): 4 for int4 and for int2 up to 4 tokens,
+    2 for int2 above (the fastest of 1, 2, 4 per cell on the H200, BENCHMARKS.md §0m); a divisor of
+    the row's `groups`."""
+    wk = 4 if bits == 4 or num_tokens <= 4 else 2
+    while groups % wk:
+        wk //= 2
+    return wk
+
+
+def launch(pool: Pool, pool_id: int, matrix: MatrixFormat, *, act: torch.Tensor, out: torch.Tensor,
+           k: int, n: int, blocks: int, block_m: int, one_pair: bool, sorted_pair: torch.Tensor,
+           block_expert: torch.Tensor, pool_of: torch.Tensor, slot_of: torch.Tensor, num_pairs: int,
+           top_k: int, num_tokens: int, routing: torch.Tensor | None = None,
+           waits: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+    """One launch over `pool`'s blocks for gate_up (`matrix` is its gate_up: n = I, writes h in act's
+    dtype) or down (`routing` given: n = H, writes y float32 per pair), on the current stream."""
+    lib = library(act.device.index)
+    arena = pool.arena
+    args = LoArgs(
+        act=act.data_ptr(), act_stride=act.stride(0), out=out.data_ptr(), out_stride=out.stride(0),
+        routing=routing.data_ptr() if routing is not None else None, sorted_pair=sorted_pair.data_ptr(),
+        block_expert=block_expert.data_ptr(), pool_of=pool_of.data_ptr(), slot_of=slot_of.data_ptr(),
+        slot_stride=slot_of.shape[-1] if slot_of.dim() == 2 else 0,
+        wait_of=waits[0].data_ptr() if waits is not None else None,
+        landed=waits[1].data_ptr() if waits is not None else None,
+        arena=arena.data_ptr(), row_bytes=arena.stride(0), data_off=matrix.data_offset,
+        scale_off=matrix.scale_offset, offset_off=matrix.offset_offset,
+        num_pairs=num_pairs, pool_id=pool_id, K=k, N=n, group=matrix.group_size, top_k=top_k,
+        block_m=block_m, one_pair=int(one_pair), experts_i64=int(block_expert.dtype == torch.int64),
+        routing_dtype=ROUTING_DTYPES[routing.dtype] if routing is not None else 0,
+    )  # fmt: skip
+    nt = max(1, block_m // 8)
+    stream = torch.cuda.current_stream(act.device).cuda_stream
+    code = lib.moetide_lo_mma(ctypes.byref(args), 1 if routing is not None else 2, matrix.bits, nt,
+                              warps_along_k(num_tokens, k // matrix.group_size, matrix.bits), blocks,
+                              stream)  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"lo_mma launch failed: {lib.moetide_lo_error(code).decode()}")

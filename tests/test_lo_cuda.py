@@ -1,0 +1,178 @@
+"""The lo pool's tensor-core kernels (`compute/lo_cuda.py`, `csrc/lo_mma.cu`): on the GPU they equal
+the per-expert PyTorch reference and the Triton tiles for int2, int4 and int2 gate_up + int4 down
+rows beside bf16 hi slots, for any T up to `MAX_TOKENS`, in a CUDA graph, waiting for a copy in
+flight, and end to end (greedy tokens of the demo model equal the dequantize reference). On the CPU:
+the build's error and the ctypes mirror of the kernel's arguments."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_fused_moe import assert_close, assert_same_up_to_summation_order, make_pool, mixed_pool, routing, table
+from triton_interpreter import CUDA, HAS_TRITON
+
+from moetide.compute import lo_cuda
+from moetide.compute.expert_compute import reference_moe
+
+E, TOP_K, H, I = 16, 4, 256, 128
+
+
+def test_the_ctypes_arguments_mirror_the_kernels_struct():
+    """A field added, dropped or moved on one side only would pass every pointer one slot off."""
+    source = lo_cuda.SOURCE.read_text()
+    body = re.search(r"struct LoArgs \{(.*?)\};", source, re.S).group(1)
+    declared = [line.split("//")[0].strip().rstrip(";") for line in body.splitlines()]
+    declared = [d.rsplit(None, 1) for d in declared if d]  # (type, name)
+    assert [name for _, name in declared] == [name for name, _ in lo_cuda.LoArgs._fields_]
+    for (ctype, name), (_, mirror) in zip(declared, lo_cuda.LoArgs._fields_, strict=True):
+        size = 8 if "*" in ctype or ctype == "long long" else 4
+        assert ctypes.sizeof(mirror) == size, name
+
+
+def test_a_failed_build_says_why_in_one_line(tmp_path):
+    with pytest.raises(RuntimeError, match=r"^nvcc could not build lo_mma\.cu for sm_90: ") as error:
+        lo_cuda.build("90", "/bin/false", tmp_path)
+    assert "\n" not in str(error.value)
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_cpu_tensors_and_other_dtypes_stay_on_the_triton_path():
+    pool = make_pool(2, I, H, "int2", torch.bfloat16)
+    assert not lo_cuda.eligible(pool, torch.zeros(1, H, dtype=torch.bfloat16, device=pool.arena.device), 1,
+                                torch.float32) or CUDA  # fmt: skip
+    assert not lo_cuda.eligible(pool, torch.zeros(1, H), 1, torch.float32)
+
+
+def gpu_kernel():
+    if not (CUDA and HAS_TRITON):
+        pytest.skip("the CUDA kernels need a CUDA device")
+    if lo_cuda.library(torch.cuda.current_device()) is None:
+        pytest.skip("no nvcc, or the device is older than sm_80")
+    from moetide.compute import fused_moe
+
+    return fused_moe
+
+
+def layer(fmt: str, num_tokens: int, seed: int = 0):
+    dtype = torch.bfloat16
+    lo = mixed_pool(E, I, H, dtype, seed=3) if fmt == "int2+int4" else make_pool(E, I, H, fmt, dtype, seed=2)
+    pools = [make_pool(E, I, H, "hi", dtype, seed=1), lo]
+    pool_of, slot_of = table(E, [E, E], seed=num_tokens + seed)
+    ids, weights = routing(num_tokens, E, TOP_K, torch.float32, seed=num_tokens)
+    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(7)).to(dtype).cuda()
+    return hidden, ids, weights, pool_of, slot_of, pools
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int2", "int4", "int2+int4"])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 16, 32, 33])
+def test_the_cuda_kernels_equal_the_reference_and_the_triton_tiles(fmt, num_tokens, monkeypatch):
+    """Up to MAX_TOKENS the lo pool takes the CUDA kernels (one gate_up and one down launch), above it
+    the Triton tiles; either way the layer equals the reference."""
+    fused_moe = gpu_kernel()
+    hidden, ids, weights, pool_of, slot_of, pools = layer(fmt, num_tokens)
+    launches = []
+    real = lo_cuda.launch
+    monkeypatch.setattr(lo_cuda, "launch", lambda *a, **kw: launches.append(a[1]) or real(*a, **kw))
+    out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    want = [1, 1] if num_tokens <= lo_cuda.MAX_TOKENS else []
+    assert launches == want, f"the lo pool's CUDA launches: {launches}"
+    assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), torch.bfloat16)
+    monkeypatch.setenv("MOETIDE_LO_CUDA", "0")
+    triton_out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    assert launches == want
+    assert_close(out, triton_out, torch.bfloat16)  # the table's tiles may round weights (v1) or not
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 32])
+def test_the_cuda_kernels_replay_in_a_cuda_graph(num_tokens):
+    fused_moe = gpu_kernel()
+    hidden, ids, weights, pool_of, slot_of, pools = layer("int2", num_tokens, seed=5)
+    eager = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    hidden.copy_(torch.randn_like(hidden))  # new inputs in the captured buffers
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, eager)
+    assert_same_up_to_summation_order(out, fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools))
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernels_wait_for_a_copy_in_flight():
+    fused_moe = gpu_kernel()
+    pool = make_pool(4, I, H, "int2", torch.bfloat16, seed=5)
+    pool_of = torch.zeros(E, dtype=torch.int32, device="cuda")
+    slot_of = (torch.arange(E, dtype=torch.int32, device="cuda") % 4).contiguous()
+    ids, weights = routing(1, E, TOP_K, torch.float32, seed=1)
+    hidden = torch.randn(1, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    want = reference_moe(hidden, ids, weights, pool_of, slot_of, [pool], F.silu)
+    row = int(slot_of[int(ids[0, 0])])
+    wait_of = torch.where(slot_of == row, 7, 0).to(torch.int32)
+    landed = torch.zeros(4, dtype=torch.int32, device="cuda")
+    saved = pool.arena[row].clone()
+    pool.arena[row].fill_(0xFF)  # poison: NaN scales if read before the copy
+    side = torch.cuda.Stream()
+    source, word = saved.cpu().pin_memory(), torch.tensor([7], dtype=torch.int32).pin_memory()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        pool.arena[row].copy_(source, non_blocking=True)
+        landed[row : row + 1].copy_(word, non_blocking=True)
+    out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, [pool], waits=(wait_of, landed, 0))
+    torch.cuda.synchronize()
+    assert_close(out, want, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["static-int2", "static-int4"])
+def test_the_demo_models_greedy_tokens_through_the_cuda_kernels_equal_the_reference_path(policy, monkeypatch):
+    """bf16 end to end: 28 greedy tokens of the dequantize reference, then both paths' logits over the
+    prompt and those tokens (teacher-forced). The CUDA kernels never round a weight to bf16 and the
+    reference does, so a near-tie may flip: every position whose reference top-2 margin exceeds
+    MARGIN takes the same token, the logits agree, and the free-running tokens agree up to the first
+    near-tie."""
+    fused_moe = gpu_kernel()
+    from triton_interpreter import run_both_kernels
+
+    from moetide.engine.llm import demo_model_path
+
+    launches = []
+    real = lo_cuda.launch
+    monkeypatch.setattr(lo_cuda, "launch", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    prompt = [5, 6, 7, 8]
+    kwargs = dict(device="cuda", dtype="bfloat16", policy=policy, gpu_memory="512MiB")
+    new = lo_cuda.MAX_TOKENS - len(prompt)  # the forced forward below also runs on the CUDA kernels
+    got, _ = run_both_kernels(fused_moe, monkeypatch, demo_model_path(), torch.tensor([prompt], device="cuda"), new,
+                              prompt=prompt, **kwargs)  # fmt: skip
+    assert launches, "the CUDA kernels never ran"
+    ref_tokens, tokens = got["dequant"][1], got["triton"][1]
+    forced = torch.tensor([prompt + ref_tokens], device="cuda")
+    got, _ = run_both_kernels(fused_moe, monkeypatch, demo_model_path(), forced, 1, prompt=prompt, **kwargs)
+    ref_logits, logits = got["dequant"][0][0, len(prompt) - 1 : -1], got["triton"][0][0, len(prompt) - 1 : -1]
+    err = float((logits - ref_logits).norm() / ref_logits.norm())
+    assert err < LOGIT_ERR[policy], err
+    top2 = ref_logits.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    clear = margin > MARGIN
+    assert clear.float().mean() > 0.5, "too few clear positions for the check to mean anything"
+    assert torch.equal(logits.argmax(-1)[clear], ref_logits.argmax(-1)[clear])
+    first = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), None)
+    assert first is None or margin[first] <= MARGIN, (first, float(margin[first]))
+
+
+# end-to-end logit error against the reference, which rounds every dequantized weight to bf16 and the
+# kernels do not: measured on the H200 (2026-12-04) 5.9 % for int2 (each layer within 2 %, the test
+# above; the Triton tiles, which do not round either, 3.6 % over 36 tokens), int4 within 2 %
+LOGIT_ERR = {"static-int2": 8e-2, "static-int4": 2e-2}
+MARGIN = 0.5  # logits: the top-2 margin above which both paths must pick the same token
