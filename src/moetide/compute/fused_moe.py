@@ -1107,7 +1107,7 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
     slices = inter // split_i if split_i else 1
     hidden = hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()  # pair p = t * k + j: the sort's input and the reduce's
-    sorted_pair, block_expert = align_pairs(flat_ids, pool_of.numel(), 1 if one_pair else block_m)
+    sorted_pair, block_expert = align_pairs(flat_ids, pool_of.numel(), rows_per_block)
     h = torch.empty(sorted_pair.numel(), inter, device=hidden.device, dtype=hidden.dtype)
     y = _pair_outputs(num_pairs * slices, hidden_size, hidden.device)
     routing = topk_weights.contiguous().reshape(-1)

@@ -146,10 +146,10 @@ def eligible(pool: Pool, hidden: torch.Tensor, block_m: int, routing_dtype: torc
     if not (_fits(f.gate_up, f.hidden_size, f.intermediate_size, row_bytes)
             and _fits(f.down, f.intermediate_size, f.hidden_size, row_bytes)):  # fmt: skip
         return False
-    return library(hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()) is not None
+    return library(hidden.device.index) is not None
 
 
-def warps_along_k(num_tokens: int, groups: int, bits: int = 2) -> int:
+def warps_along_k(num_tokens: int, groups: int, bits: int) -> int:
     """Warps of a program that split K (the others split N): 4 for int4 and for int2 up to 4 tokens,
     2 for int2 above (the fastest of 1, 2, 4 per cell on the H200, BENCHMARKS.md §0m); a divisor of
     the row's `groups`."""

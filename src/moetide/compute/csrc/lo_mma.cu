@@ -94,33 +94,30 @@ struct GroupWords {
 
 __device__ __forceinline__ uint32_t word_of(const uint2& v, int i) { return i == 0 ? v.x : v.y; }
 
-// A fragment regs (row g: 0, 2; row g + 8: 1, 3) of k16 tile q of a group, lane t's words.
+// Tiles per word: a lane takes 4 codes of a row per k16 tile, so a word (32 / BITS codes) lasts
+// int2 4 tiles, int4 2; tile q reads word q / kTilesPerWord at step s = q % kTilesPerWord.
+template <int BITS>
+constexpr int kTilesPerWord = 32 / BITS / 4;
+
+// A fragment regs (row g: 0, 2; row g + 8: 1, 3) of k16 tile q of a group, lane t's words: code
+// pairs 16 bits apart at bits 2 BITS s and 2 BITS s + BITS of the word (int2: codes (2s, 2s + 8),
+// (2s + 1, 2s + 9); int4: (2s, 2s + 4), (2s + 1, 2s + 5)).
 template <int BITS>
 __device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const GroupWords& w, int q) {
-    if constexpr (BITS == 2) {  // tile q: word q / 4, code pairs (2s, 2s + 8), (2s + 1, 2s + 9), s = q % 4
-        const uint32_t m = 0x00030003u;
-        const int s = q & 3;
-        const uint32_t w0 = word_of(w.lo, q >> 2), w1 = word_of(w.hi, q >> 2);
-        a[0] = pair_codes(w0 >> (4 * s), m);
-        a[2] = pair_codes(w0 >> (4 * s + 2), m);
-        a[1] = pair_codes(w1 >> (4 * s), m);
-        a[3] = pair_codes(w1 >> (4 * s + 2), m);
-    } else {  // tile q: word q / 2, code pairs (2s, 2s + 4), (2s + 1, 2s + 5), s = q % 2
-        const uint32_t m = 0x000F000Fu;
-        const int s = q & 1;
-        const uint32_t w0 = word_of(w.lo, q >> 1), w1 = word_of(w.hi, q >> 1);
-        a[0] = pair_codes(w0 >> (8 * s), m);
-        a[2] = pair_codes(w0 >> (8 * s + 4), m);
-        a[1] = pair_codes(w1 >> (8 * s), m);
-        a[3] = pair_codes(w1 >> (8 * s + 4), m);
-    }
+    constexpr uint32_t m = BITS == 2 ? 0x00030003u : 0x000F000Fu;
+    const int word = q / kTilesPerWord<BITS>, shift = 2 * BITS * (q % kTilesPerWord<BITS>);
+    const uint32_t w0 = word_of(w.lo, word), w1 = word_of(w.hi, word);
+    a[0] = pair_codes(w0 >> shift, m);
+    a[2] = pair_codes(w0 >> (shift + BITS), m);
+    a[1] = pair_codes(w1 >> shift, m);
+    a[3] = pair_codes(w1 >> (shift + BITS), m);
 }
 
 // Lane t's activations of one group for one token: the 2 * 32 / BITS codes its two words hold
 // (int2: 32 bf16 in 16 regs, int4: 16 in 8), reg i = elements (2i, 2i + 1).
 template <int BITS>
 struct GroupActs {
-    static constexpr int R = BITS == 2 ? 16 : 8;
+    static constexpr int R = 32 / BITS;
     uint32_t r[R];
 };
 
@@ -134,15 +131,13 @@ __device__ __forceinline__ void load_acts(GroupActs<BITS>& x, const __nv_bfloat1
     }
 }
 
-// B fragment of k16 tile q, in the slot order of `a_fragment`.
+// B fragment of k16 tile q, in the slot order of `a_fragment`: a word's elements take R / 2 regs,
+// and the pair's two codes lie half of them apart (int2: elements 16 word + 2s and + 8).
 template <int BITS>
 __device__ __forceinline__ void b_fragment(uint32_t& b0, uint32_t& b1, const GroupActs<BITS>& x, int q) {
-    int lo, hi;
-    if constexpr (BITS == 2) {  // codes 2s, 2s + 8 of word q / 4: elements 16 (q / 4) + 2s, + 8
-        lo = 8 * (q >> 2) + (q & 3), hi = lo + 4;
-    } else {  // codes 2s, 2s + 4 of word q / 2: elements 8 (q / 2) + 2s, + 4
-        lo = 4 * (q >> 1) + (q & 1), hi = lo + 2;
-    }
+    constexpr int kRegsPerWord = GroupActs<BITS>::R / 2;
+    const int lo = kRegsPerWord * (q / kTilesPerWord<BITS>) + q % kTilesPerWord<BITS>;
+    const int hi = lo + kRegsPerWord / 2;
     b0 = __byte_perm(x.r[lo], x.r[hi], 0x5410);
     b1 = __byte_perm(x.r[lo], x.r[hi], 0x7632);
 }
