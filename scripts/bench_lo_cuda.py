@@ -3,7 +3,7 @@
 table (MOETIDE_LO_CUDA=0), in one process, per (format, T, warps along K), against the HBM roofline.
 
     python scripts/bench_lo_cuda.py --out lo_cuda.json [--formats int2,int4] [--tokens 1,8,32,128] \
-        [--warps-k auto,1,2,4] [--shape olmoe-1b-7b] [--reps 3]
+        [--warps-k auto,1,2,4] [--shape olmoe-1b-7b] [--reps 3] [--pdl-ab] [--kernels] [--mixed 2]
 
 Each cell is timed as tune_fused_moe.py times a layer (a graph-replayed `fused_moe` call, median of
 `triton.testing.do_bench`, L2 flushed between replays), the two paths alternating `--reps` times;
@@ -12,6 +12,13 @@ Each cell is timed as tune_fused_moe.py times a layer (a graph-replayed `fused_m
 every used expert's row once plus the activations in and out, at 3.3 TB/s. `vs_roofline` of a cell
 is its time over the roofline; the target `lo_kernel_vs_hbm_roofline_worst` is the worst over T = 1,
 8, 32, 128 of the path the engine takes (`engine_us`: the CUDA kernels where `lo_cuda.eligible`).
+
+`--pdl-ab` also times the CUDA kernels with down launched plainly (MOETIDE_LO_PDL=0, `cuda_plain_us`);
+`--kernels` adds each path's kernels from the CUDA profiler (`kernels_*`, mean device µs per call);
+`--against-source FILE` also times the CUDA kernels built from another lo_mma.cu
+(`cuda_other_source_us`); a warps-along-K value "4/2" gives gate_up's and down's; `--mixed N` adds,
+per cell, the layer that `combined` runs: the N most-routed experts in bf16 hi slots beside the lo
+rows (`tune_mixed_pools.mixed_inputs`), on both paths, and the lo rows alone.
 """
 
 from __future__ import annotations
@@ -28,28 +35,92 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tune_fused_moe import ROOFLINE_BYTES_S, SHAPES, layer_bytes, layer_inputs, make_pool, time_layer  # noqa: E402
+from tune_mixed_pools import lo_only, mixed_inputs  # noqa: E402
+
+from moetide.compute import fused_moe as fm  # noqa: E402
 
 from moetide.compute import lo_cuda  # noqa: E402
 from moetide.compute.expert_compute import reference_moe  # noqa: E402
 
 AUTO_WARPS = lo_cuda.warps_along_k
+OWN_SOURCE = lo_cuda.SOURCE
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def timed(pool, inputs, cuda: bool, warps: str) -> tuple[float, torch.Tensor]:
+def warps_rule(warps: str, hidden: int):
+    """`lo_cuda.warps_along_k` for "auto", one count ("2"), or gate_up's / down's ("4/2")."""
+    if warps == "auto":
+        return AUTO_WARPS
+    gate_up, _, down = warps.partition("/")
+    return lambda t, groups, bits: int(gate_up) if groups * lo_cuda.GROUP_BITS // bits == hidden or not down \
+        else int(down)  # fmt: skip
+
+
+def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool = False, source=None):
+    """(µs, output) of the graph-replayed layer on one path, or with `profile` its kernels' mean device µs;
+    `source`: the CUDA kernels built from another lo_mma.cu."""
     os.environ["MOETIDE_LO_CUDA"] = "1" if cuda else "0"
-    lo_cuda.warps_along_k = AUTO_WARPS if warps == "auto" else (lambda t, k, b, w=int(warps): w)
+    os.environ["MOETIDE_LO_PDL"] = "1" if pdl else "0"
+    lo_cuda.warps_along_k = warps_rule(warps, inputs[0].shape[1])
+    if source is not None:
+        lo_cuda.SOURCE = Path(source)
+        lo_cuda.library.cache_clear()
     try:
-        return time_layer(pool, inputs, None, None)
+        return kernel_times(pool, inputs) if profile else time_layer(pool, inputs, None, None)
     finally:
         lo_cuda.warps_along_k = AUTO_WARPS
         os.environ.pop("MOETIDE_LO_CUDA", None)
+        os.environ.pop("MOETIDE_LO_PDL", None)
+        if source is not None:
+            lo_cuda.SOURCE = OWN_SOURCE
+            lo_cuda.library.cache_clear()
 
 
-def cell(fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int) -> dict:
+def kernel_times(pool, inputs, reps: int = 20) -> dict[str, float]:
+    """Mean device µs per call of each kernel of an eager `fused_moe` call, from the CUDA profiler."""
+    x, ids, weights, pool_of, slot_of = inputs
+    pools = pool if isinstance(pool, list) else [pool]
+    fm.fused_moe(x, ids, weights, pool_of, slot_of, pools)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fm.fused_moe(x, ids, weights, pool_of, slot_of, pools)
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us and event.count >= reps:
+            times[event.key[:60]] = round(device_us / reps, 2)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def mixed_cell(lo, fmt: str, t: int, shape: tuple, hi_experts: int, reps: int, kernels: bool = False) -> dict:
+    """The `combined` layer at T: bf16 hi slots for the most-routed experts beside `lo`, both paths."""
+    hidden, inter, experts, top_k = shape
+    hi = make_pool("bfloat16", hidden, inter, hi_experts)
+    inputs, share = mixed_inputs(t, hidden, experts, top_k, hi_experts)
+    ref = reference_moe(*inputs, [hi, lo], F.silu)
+    times, errs = {"cuda": [], "triton": [], "lo_only_cuda": []}, {}
+    for _ in range(reps):
+        variants = (("cuda", True, inputs), ("triton", False, inputs), ("lo_only_cuda", True, lo_only(inputs)))
+        for name, cuda, layer in variants:
+            us, out = timed([hi, lo], layer, cuda, "auto")
+            times[name].append(us)
+            if layer is inputs:
+                errs[f"err_{name}"] = rel_err(out, ref)
+    row = {"format": f"bfloat16x{hi_experts}+{fmt}", "tokens": t, "hi_share": round(share, 3), **errs}
+    row.update({f"{k}_us": round(statistics.median(v), 2) for k, v in times.items()})
+    row["hi_cost_cuda_us"] = round(row["cuda_us"] - row["lo_only_cuda_us"], 2)
+    if kernels:
+        row["kernels_cuda"] = timed([hi, lo], inputs, True, "auto", profile=True)
+    return row
+
+
+def cell(fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pdl_ab: bool = False,
+         kernels: bool = False, against: str | None = None) -> dict:  # fmt: skip
     hidden, inter, experts, top_k = shape
     pool = make_pool(fmt, hidden, inter, experts)
     inputs = layer_inputs(t, hidden, experts, top_k)
@@ -59,6 +130,7 @@ def cell(fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int) -> dict:
     row = {"format": fmt, "tokens": t, "roofline_us": round(roof_us, 2),
            "eligible": lo_cuda.eligible(pool, x, 1, weights.dtype)}  # fmt: skip
     triton_times, cuda_times = [], {w: [] for w in warps_k}
+    plain_times, other_times = [], []
     for _ in range(reps):
         us, out = timed(pool, inputs, False, "auto")
         triton_times.append(us)
@@ -67,6 +139,19 @@ def cell(fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int) -> dict:
             us, out = timed(pool, inputs, True, w)
             cuda_times[w].append(us)
             row[f"err_cuda_wk{w}"] = rel_err(out, ref)
+        if pdl_ab:
+            plain_times.append(timed(pool, inputs, True, "auto", pdl=False)[0])
+        if against:
+            us, out = timed(pool, inputs, True, "auto", source=against)
+            other_times.append(us)
+            row["err_cuda_other_source"] = rel_err(out, ref)
+    if plain_times:
+        row["cuda_plain_us"] = round(statistics.median(plain_times), 2)
+    if other_times:
+        row["cuda_other_source_us"] = round(statistics.median(other_times), 2)
+    if kernels:
+        row["kernels_triton"] = timed(pool, inputs, False, "auto", profile=True)
+        row["kernels_cuda"] = timed(pool, inputs, True, "auto", profile=True)
     row["triton_us"] = round(statistics.median(triton_times), 2)
     row["cuda_us"] = {w: round(statistics.median(v), 2) for w, v in cuda_times.items()}
     row["auto_warps_k"] = AUTO_WARPS(t, hidden // pool.format.gate_up.group_size, pool.format.gate_up.bits)
@@ -88,23 +173,34 @@ def main() -> int:
     ap.add_argument("--warps-k", default="auto,1,2,4")
     ap.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pdl-ab", action="store_true", help="also time the CUDA kernels with MOETIDE_LO_PDL=0")
+    ap.add_argument("--kernels", action="store_true", help="each path's kernels from the CUDA profiler")
+    ap.add_argument("--mixed", type=int, default=0, help="also time the layer with N bf16 hi experts beside")
+    ap.add_argument("--against-source", default=None, help="also time the CUDA kernels built from this lo_mma.cu")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     shape = SHAPES[args.shape]
-    rows = []
+    rows, mixed_rows = [], []
     for fmt in args.formats.split(","):
         for t in [int(v) for v in args.tokens.split(",")]:
-            row = cell(fmt, t, shape, args.warps_k.split(","), args.reps)
+            row = cell(fmt, t, shape, args.warps_k.split(","), args.reps, args.pdl_ab, args.kernels,
+                       args.against_source)
             rows.append(row)
             print(f"{fmt:6s} T={t:5d} roofline {row['roofline_us']:7.1f} us | triton {row['triton_us']:7.1f} "
                   f"({row['triton_vs_roofline']:.2f}x) | cuda {row['cuda_us']} -> engine {row['engine_us']:.1f} "
                   f"({row['vs_roofline']:.2f}x) | err triton {row['err_triton']:.1e} cuda "
                   f"{row.get('err_cuda_wkauto', float('nan')):.1e}", flush=True)  # fmt: skip
+            if args.pdl_ab or args.kernels:
+                print({k: v for k, v in row.items() if k.startswith(("kernels_", "cuda_plain", "cuda_other"))}, flush=True)
+            if args.mixed:
+                mixed = mixed_cell(make_pool(fmt, *shape[:3]), fmt, t, shape, args.mixed, args.reps, args.kernels)
+                mixed_rows.append(mixed)
+                print(json.dumps(mixed), flush=True)
     target = [r for r in rows if r["tokens"] in (1, 8, 32, 128)]
     worst = max(target, key=lambda r: r["vs_roofline"]) if target else None
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "rows": rows, "worst": worst and {k: worst[k] for k in ("format", "tokens", "vs_roofline")}}  # fmt: skip
+              "rows": rows, "mixed": mixed_rows, "worst": worst and {k: worst[k] for k in ("format", "tokens", "vs_roofline")}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("worst:", result["worst"])

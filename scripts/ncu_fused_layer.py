@@ -5,7 +5,8 @@
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
         --section MemoryWorkloadAnalysis python3 scripts/ncu_fused_layer.py int2 1 v6 [1,16,512,4,2]
 
-Arguments: the pool format, T, the packed tile product, and optionally the tiles (block_m, block_n,
+Arguments: the pool format, T, the packed tile product ("engine": the path the engine takes, the
+tensor-core kernels of `lo_cuda` where they apply), and optionally the tiles (block_m, block_n,
 block_k, warps, stages; else the tile table's), on the OLMoE shape with the tuner's random weights.
 """
 
@@ -27,7 +28,7 @@ def main() -> int:
     if len(sys.argv) < 4:
         print(__doc__)
         return 2
-    fmt, num_tokens, tile = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    fmt, num_tokens, tile = sys.argv[1], int(sys.argv[2]), None if sys.argv[3] == "engine" else sys.argv[3]
     config = KernelConfig(*[int(v) for v in sys.argv[4].split(",")]) if len(sys.argv) > 4 else None
     hidden, inter, experts, top_k = SHAPES["olmoe-1b-7b"]
     pool = make_pool(fmt, hidden, inter, experts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -86,6 +87,25 @@ def test_the_cuda_kernels_equal_the_reference_and_the_triton_tiles(fmt, num_toke
     triton_out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
     assert launches == want
     assert_close(out, triton_out, torch.bfloat16)  # the table's tiles may round weights (v1) or not
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int2", "int4"])
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_a_hi_pool_on_one_launch_beside_the_cuda_kernels_sums_into_the_same_reduce(fmt, num_tokens, monkeypatch):
+    """Tiles with a one-launch slice width (`split_i`) keep the hi pool on one launch (per-slice rows of
+    y) while the lo pool writes whole sums into slice 0 of its pairs' rows: the layer equals the reference."""
+    fused_moe = gpu_kernel()
+    hidden, ids, weights, pool_of, slot_of, pools = layer(fmt, num_tokens)
+    real_configs, real_fused = fused_moe.pool_configs, fused_moe._launch_fused
+    sliced = lambda *a: [replace(c, block_n=32, split_i=I // 4) for c in real_configs(*a)]  # noqa: E731
+    one_launch, launches, real_launch = [], [], lo_cuda.launch
+    monkeypatch.setattr(fused_moe, "pool_configs", sliced)
+    monkeypatch.setattr(fused_moe, "_launch_fused", lambda *a, **kw: one_launch.append(a[1]) or real_fused(*a, **kw))
+    monkeypatch.setattr(lo_cuda, "launch", lambda *a, **kw: launches.append(a[1]) or real_launch(*a, **kw))
+    out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    assert one_launch == [0] and launches == [1, 1], (one_launch, launches)
+    assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), torch.bfloat16)
 
 
 @pytest.mark.gpu

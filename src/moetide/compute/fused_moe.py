@@ -25,7 +25,9 @@ Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed 
             (`_fused_gemv_kernel`); the slices of every pool of a layer are the lead pool's.
   reduce    out[t] = sum_j y[t * k + j] (and over the slices) in float32 over the pairs whose
             expert has a version (y is never filled), cast to the activations' dtype, one kernel
-            (`_reduce_kernel`): deterministic, no atomics.
+            (`_reduce_kernel`): deterministic, no atomics. A pool on the tensor-core kernels
+            (`lo_cuda`) beside one-launch pools stores each pair's whole sum in slice 0 of its rows,
+            and the reduce reads only that slice of its pairs (`ONE_SLICE`).
 
 Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
 tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
@@ -905,21 +907,26 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 @triton.jit
 def _reduce_kernel(y_ptr, out_ptr, ids_ptr, pool_of_ptr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
-                   BLOCK: tl.constexpr, SLICES: tl.constexpr = 1, USE_GDC: tl.constexpr = False):  # fmt: skip
+                   BLOCK: tl.constexpr, SLICES: tl.constexpr = 1, ONE_SLICE: tl.constexpr = 0,
+                   USE_GDC: tl.constexpr = False):  # fmt: skip
     """out[t] = sum_j sum_s y[(t * k + j) * S + s] (float32, in j then s order; S = SLICES per-slice
     partial sums of the one-launch path, else 1) over the pairs whose expert has a version (`pool_of`
-    >= 0; the others' rows of y are never written), stored in out's dtype: grid (T, H / BLOCK).
-    USE_GDC: y is read after the launch before has finished (`gdc_wait`)."""
+    >= 0; the others' rows of y are never written), stored in out's dtype: grid (T, H / BLOCK). A pair
+    whose pool's bit is set in ONE_SLICE (pools on two launches beside one-launch pools: the CUDA
+    kernels) has its whole sum in slice 0. USE_GDC: y is read after the launch before has finished
+    (`gdc_wait`)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        ran = tl.load(pool_of_ptr + tl.load(ids_ptr + t * TOP_K + j)) >= 0
+        pool = tl.load(pool_of_ptr + tl.load(ids_ptr + t * TOP_K + j))
+        ran = pool >= 0
+        slices = tl.where(((ONE_SLICE >> tl.maximum(pool, 0)) & 1) != 0, 1, SLICES)
         for s in range(SLICES):
             y_row = y_ptr + ((t * TOP_K + j) * SLICES + s) * HIDDEN
-            acc += tl.load(y_row + cols, mask=cols < tl.where(ran, HIDDEN, 0), other=0.0)
+            acc += tl.load(y_row + cols, mask=cols < tl.where(ran & (s < slices), HIDDEN, 0), other=0.0)
     tl.store(out_ptr + t * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HIDDEN)
 
 
@@ -1103,8 +1110,11 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
     one_pair = block_m == 1 or num_tokens <= GEMV_MAX_TOKENS  # each pair its own block: no sort
     rows_per_block = 1 if one_pair else block_m
     on_cuda = _cuda_pools(pools, hidden, rows_per_block, topk_weights.dtype, config, packed_tile)
-    split_i = 0 if any(on_cuda) else next(c for c in configs if c is not None).split_i  # > 0: one launch per pool
+    # > 0: one launch per Triton pool; the CUDA pools write their sums into slice 0 of their pairs' rows
+    triton_pools = any(pool is not None and not cuda for pool, cuda in zip(pools, on_cuda, strict=True))
+    split_i = next(c for c in configs if c is not None).split_i if triton_pools else 0
     slices = inter // split_i if split_i else 1
+    one_slice = sum(1 << i for i, cuda in enumerate(on_cuda) if cuda) if split_i else 0
     hidden = hidden.contiguous()
     flat_ids = topk_ids.reshape(-1).contiguous()  # pair p = t * k + j: the sort's input and the reduce's
     sorted_pair, block_expert = align_pairs(flat_ids, pool_of.numel(), rows_per_block)
@@ -1129,6 +1139,7 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
         landed_ptr=waits[1] if waits is not None else pool_of,
     )
     pdl = dict(USE_GDC=True, launch_pdl=True) if _pdl_launches(hidden.device) else {}
+    pair_rows = y.view(num_pairs, slices * hidden_size)  # a CUDA pool's sums: slice 0 of each pair's rows
     for pool_id, pool in enumerate(pools):
         if pool is None:  # a pool without slots (no expert can point there)
             continue
@@ -1137,7 +1148,7 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
         common["WAIT"] = pool_id if waits is not None and pool_id == waits[2] else -1  # only its pool waits
         if on_cuda[pool_id]:  # the tensor-core kernels (`lo_cuda`): the same blocks, h and y
             lo_waits = waits[:2] if common["WAIT"] >= 0 else None
-            _launch_lo_cuda(pool, pool_id, hidden, h, y, routing, dict(
+            _launch_lo_cuda(pool, pool_id, hidden, h, pair_rows, routing, dict(
                 blocks=blocks, block_m=rows_per_block, one_pair=one_pair, sorted_pair=sorted_pair,
                 block_expert=block_expert, pool_of=pool_of, slot_of=slot_of, num_pairs=num_pairs, top_k=top_k,
                 num_tokens=num_tokens, waits=lo_waits))  # fmt: skip
@@ -1155,7 +1166,10 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
         _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
                        f.down, inter, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
                        **pdl, **common)  # fmt: skip
-    return _reduce(y, hidden, flat_ids, pool_of, top_k, slices, pdl)
+    last = max(i for i, pool in enumerate(pools) if pool is not None)
+    if on_cuda[last] and not pdl and lo_cuda.dependent_launches(hidden.device):  # after the CUDA down too
+        pdl = dict(USE_GDC=True, launch_pdl=True)
+    return _reduce(y, hidden, flat_ids, pool_of, top_k, slices, pdl, one_slice)
 
 
 def _cuda_pools(pools: list, hidden: torch.Tensor, rows_per_block: int, routing_dtype: torch.dtype, config,
@@ -1174,18 +1188,19 @@ def _launch_lo_cuda(pool: Pool, pool_id: int, hidden, h, y, routing, blocks: dic
     f = pool.format
     lo_cuda.launch(pool, pool_id, f.gate_up, act=hidden, out=h, k=f.hidden_size, n=f.intermediate_size, **blocks)
     lo_cuda.launch(pool, pool_id, f.down, act=h, out=y, k=f.intermediate_size, n=f.hidden_size, routing=routing,
-                   **blocks)  # fmt: skip
+                   dependent=lo_cuda.dependent_launches(hidden.device), **blocks)  # fmt: skip
 
 
-def _reduce(y, hidden, flat_ids, pool_of, top_k: int, slices: int, pdl: dict) -> torch.Tensor:
-    """out[t] = sum over t's pairs (and their `slices` slices) of y's float32 rows: `(T, H)`, the
-    activations' dtype, one launch (`_reduce_kernel`)."""
+def _reduce(y, hidden, flat_ids, pool_of, top_k: int, slices: int, pdl: dict,
+            one_slice: int = 0) -> torch.Tensor:
+    """out[t] = sum over t's pairs (and their `slices` slices; one for the pools of bitmask `one_slice`)
+    of y's float32 rows: `(T, H)`, the activations' dtype, one launch (`_reduce_kernel`)."""
     out = torch.empty_like(hidden)
     num_tokens, hidden_size = hidden.shape
     block = max(64, 1024 // slices)  # per program ~1,024 rows' columns: more programs for more slices
     _reduce_kernel[(num_tokens, triton.cdiv(hidden_size, block))](y, out, flat_ids, pool_of, TOP_K=top_k,
                                                                   HIDDEN=hidden_size, BLOCK=block, SLICES=slices,
-                                                                  **pdl)  # fmt: skip
+                                                                  ONE_SLICE=one_slice, **pdl)  # fmt: skip
     return out
 
 

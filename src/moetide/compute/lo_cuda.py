@@ -2,8 +2,10 @@
 
 `fused_moe` sends a packed pool's gate_up and down launches here (`eligible`) instead of to its
 Triton tiles, for T <= MAX_TOKENS: the same sorted blocks, scratch h and per-pair y, so the reduce
-and every other pool are unchanged. The kernel reads the arena rows as they are; why that can use
-tensor cores is in the source's header.
+and every other pool are unchanged (a pool on its one-launch slices beside it included: the CUDA
+pool's sums fill slice 0 of its pairs' rows). The kernel reads the arena rows as they are; why that
+can use tensor cores is in the source's header. On sm_90 down runs as a programmatic dependent of
+gate_up and the reduce as one of down (`dependent_launches`; MOETIDE_LO_PDL=0 turns that off).
 
 Built on first use for the device's architecture into the cache directory (MOETIDE_KERNEL_CACHE, else
 ~/.cache/moetide/kernels), under a name that hashes the source, the architecture and nvcc's version;
@@ -74,6 +76,13 @@ def enabled() -> bool:
     return os.environ.get("MOETIDE_LO_CUDA", "1") != "0"
 
 
+def dependent_launches(device: torch.device) -> bool:
+    """Whether down runs as a programmatic dependent of gate_up (its rows found and their loads started
+    while gate_up finishes), and the layer's reduce as one of down: sm_90 or newer, unless
+    MOETIDE_LO_PDL=0 (read per call)."""
+    return os.environ.get("MOETIDE_LO_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def nvcc() -> str | None:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and (Path(home) / "bin" / "nvcc").exists():
@@ -120,7 +129,7 @@ def library(device_index: int):
         print(f"moetide: low-bit CUDA kernels off, the Triton tiles run instead: {error}", file=sys.stderr)
         return None
     lib.moetide_lo_mma.restype = ctypes.c_int
-    lib.moetide_lo_mma.argtypes = [ctypes.POINTER(LoArgs)] + [ctypes.c_int] * 5 + [ctypes.c_void_p]
+    lib.moetide_lo_mma.argtypes = [ctypes.POINTER(LoArgs)] + [ctypes.c_int] * 6 + [ctypes.c_void_p]
     lib.moetide_lo_error.restype = ctypes.c_char_p
     lib.moetide_lo_error.argtypes = [ctypes.c_int]
     return lib
@@ -163,9 +172,10 @@ def launch(pool: Pool, pool_id: int, matrix: MatrixFormat, *, act: torch.Tensor,
            k: int, n: int, blocks: int, block_m: int, one_pair: bool, sorted_pair: torch.Tensor,
            block_expert: torch.Tensor, pool_of: torch.Tensor, slot_of: torch.Tensor, num_pairs: int,
            top_k: int, num_tokens: int, routing: torch.Tensor | None = None,
-           waits: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+           waits: tuple[torch.Tensor, torch.Tensor] | None = None, dependent: bool = False) -> None:  # fmt: skip
     """One launch over `pool`'s blocks for gate_up (`matrix` is its gate_up: n = I, writes h in act's
-    dtype) or down (`routing` given: n = H, writes y float32 per pair), on the current stream."""
+    dtype) or down (`routing` given: n = H, writes y float32 per pair; `dependent`: a programmatic
+    dependent launch of the gate_up launch just before it, `dependent_launches`), on the current stream."""
     lib = library(act.device.index)
     arena = pool.arena
     args = LoArgs(
@@ -185,6 +195,6 @@ def launch(pool: Pool, pool_id: int, matrix: MatrixFormat, *, act: torch.Tensor,
     stream = torch.cuda.current_stream(act.device).cuda_stream
     code = lib.moetide_lo_mma(ctypes.byref(args), 1 if routing is not None else 2, matrix.bits, nt,
                               warps_along_k(num_tokens, k // matrix.group_size, matrix.bits), blocks,
-                              stream)  # fmt: skip
+                              int(dependent), stream)  # fmt: skip
     if code != 0:
         raise RuntimeError(f"lo_mma launch failed: {lib.moetide_lo_error(code).decode()}")

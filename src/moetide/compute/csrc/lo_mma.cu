@@ -82,6 +82,21 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and in a grid launched without it): a grid
+// lets the next one start once all its programs got here, and a dependent grid waits here until the
+// one before it has finished and its writes are visible.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_the_grid_before() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t pair_codes(uint32_t shifted, uint32_t mask) {
     return (shifted & mask) | kMagic;  // one LOP3
 }
@@ -160,9 +175,17 @@ __device__ __forceinline__ long long h_row(const LoArgs& a, int b, int c) {
 
 }  // namespace
 
-// NM matrices (1: down, 2: gate_up), NT n8 tiles of tokens, WK x WN warps.
+// Programs of 128 threads an SM keeps resident: down at one token tile 8 (at most 64 registers: at
+// T = 1 the OLMoE shape's down is 1,024 programs, one wave of 132 SMs), else as the compiler chooses.
+template <int NM, int NT>
+constexpr int kMinPrograms = NM == 1 && NT == 1 ? 8 : 1;
+
+// NM matrices (1: down, 2: gate_up), NT n8 tiles of tokens, WK x WN warps. Down (NM 1) may run as a
+// programmatic dependent of gate_up: it finds its rows, starts their loads and waits for h only then
+// (`wait_for_the_grid_before`); it writes nothing before that wait.
 template <int BITS, int NM, int NT, int WK, int WN>
-__global__ void __launch_bounds__(32 * WK * WN) lo_mma_kernel(const LoArgs a) {
+__global__ void __launch_bounds__(32 * WK * WN, (kMinPrograms<NM, NT>)) lo_mma_kernel(const LoArgs a) {
+    launch_dependents();
     const int b = blockIdx.x;
     const long long expert = a.experts_i64 ? reinterpret_cast<const long long*>(a.block_expert)[b]
                                            : (long long)reinterpret_cast<const int*>(a.block_expert)[b];
@@ -244,6 +267,7 @@ __global__ void __launch_bounds__(32 * WK * WN) lo_mma_kernel(const LoArgs a) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) s_cur[m][h] = scales[m][h][g_begin], o_cur[m][h] = offsets[m][h][g_begin];
     }
+    if constexpr (NM == 1) wait_for_the_grid_before();  // h: gate_up's output
     for (int gi = g_begin; gi < g_end; ++gi) {
         if (gi + 1 < g_end) {  // the next group's words and scales in flight while this one computes
 #pragma unroll
@@ -342,29 +366,42 @@ __global__ void __launch_bounds__(32 * WK * WN) lo_mma_kernel(const LoArgs a) {
 
 namespace {
 
+struct Launch {
+    int blocks;
+    bool dependent;  // a programmatic dependent of the launch before it on the stream
+    cudaStream_t stream;
+};
+
 template <int BITS, int NM, int NT, int WK, int WN>
-cudaError_t launch(const LoArgs& a, int blocks, cudaStream_t stream) {
-    dim3 grid(blocks, a.N / (16 * WN));
-    lo_mma_kernel<BITS, NM, NT, WK, WN><<<grid, 32 * WK * WN, 0, stream>>>(a);
-    return cudaGetLastError();
+cudaError_t launch(const LoArgs& a, const Launch& l) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(l.blocks, a.N / (16 * WN));
+    config.blockDim = dim3(32 * WK * WN);
+    config.stream = l.stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = l.dependent ? 1 : 0;
+    return cudaLaunchKernelEx(&config, lo_mma_kernel<BITS, NM, NT, WK, WN>, a);
 }
 
 template <int BITS, int NM, int NT>
-cudaError_t by_warps(const LoArgs& a, int blocks, int wk, cudaStream_t stream) {
+cudaError_t by_warps(const LoArgs& a, const Launch& l, int wk) {
     switch (wk) {
-        case 1: return launch<BITS, NM, NT, 1, 4>(a, blocks, stream);
-        case 2: return launch<BITS, NM, NT, 2, 2>(a, blocks, stream);
-        case 4: return launch<BITS, NM, NT, 4, 1>(a, blocks, stream);
+        case 1: return launch<BITS, NM, NT, 1, 4>(a, l);
+        case 2: return launch<BITS, NM, NT, 2, 2>(a, l);
+        case 4: return launch<BITS, NM, NT, 4, 1>(a, l);
         default: return cudaErrorInvalidValue;
     }
 }
 
 template <int BITS, int NM>
-cudaError_t by_tokens(const LoArgs& a, int blocks, int nt, int wk, cudaStream_t stream) {
+cudaError_t by_tokens(const LoArgs& a, const Launch& l, int nt, int wk) {
     switch (nt) {
-        case 1: return by_warps<BITS, NM, 1>(a, blocks, wk, stream);
-        case 2: return by_warps<BITS, NM, 2>(a, blocks, wk, stream);
-        case 4: return by_warps<BITS, NM, 4>(a, blocks, wk, stream);
+        case 1: return by_warps<BITS, NM, 1>(a, l, wk);
+        case 2: return by_warps<BITS, NM, 2>(a, l, wk);
+        case 4: return by_warps<BITS, NM, 4>(a, l, wk);
         default: return cudaErrorInvalidValue;
     }
 }
@@ -372,14 +409,15 @@ cudaError_t by_tokens(const LoArgs& a, int blocks, int nt, int wk, cudaStream_t 
 }  // namespace
 
 // matrices 2: gate_up, 1: down; nt n8 token tiles (>= block_m / 8); wk warps along K (1, 2, 4; the
-// other 4 / wk along N). Returns the launch's cudaError_t (0: launched).
+// other 4 / wk along N); dependent: down as a programmatic dependent launch of the kernel before it
+// (sm_90+). Returns the launch's cudaError_t (0: launched).
 extern "C" int moetide_lo_mma(const LoArgs* args, int matrices, int bits, int nt, int wk, int blocks,
-                              void* stream) {
+                              int dependent, void* stream) {
     const LoArgs& a = *args;
-    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const Launch l{blocks, dependent != 0 && matrices == 1, reinterpret_cast<cudaStream_t>(stream)};
     if (blocks <= 0) return 0;
-    if (bits == 2) return matrices == 2 ? by_tokens<2, 2>(a, blocks, nt, wk, s) : by_tokens<2, 1>(a, blocks, nt, wk, s);
-    if (bits == 4) return matrices == 2 ? by_tokens<4, 2>(a, blocks, nt, wk, s) : by_tokens<4, 1>(a, blocks, nt, wk, s);
+    if (bits == 2) return matrices == 2 ? by_tokens<2, 2>(a, l, nt, wk) : by_tokens<2, 1>(a, l, nt, wk);
+    if (bits == 4) return matrices == 2 ? by_tokens<4, 2>(a, l, nt, wk) : by_tokens<4, 1>(a, l, nt, wk);
     return cudaErrorInvalidValue;
 }
 
