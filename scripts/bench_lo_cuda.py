@@ -34,20 +34,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_fused_moe import ROOFLINE_BYTES_S, SHAPES, layer_bytes, layer_inputs, make_pool, time_layer  # noqa: E402
+from profile_fused_layer import kernel_times  # noqa: E402
+from tune_fused_moe import (  # noqa: E402
+    ROOFLINE_BYTES_S, SHAPES, layer_bytes, layer_inputs, make_pool, rel_err, time_layer)  # fmt: skip
 from tune_mixed_pools import lo_only, mixed_inputs  # noqa: E402
-
-from moetide.compute import fused_moe as fm  # noqa: E402
 
 from moetide.compute import lo_cuda  # noqa: E402
 from moetide.compute.expert_compute import reference_moe  # noqa: E402
 
 AUTO_WARPS = lo_cuda.warps_along_k
 OWN_SOURCE = lo_cuda.SOURCE
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
 def warps_rule(warps: str, hidden: int):
@@ -69,7 +65,7 @@ def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool 
         lo_cuda.SOURCE = Path(source)
         lo_cuda.library.cache_clear()
     try:
-        return kernel_times(pool, inputs) if profile else time_layer(pool, inputs, None, None)
+        return kernel_times(pool, inputs, 20) if profile else time_layer(pool, inputs, None, None)
     finally:
         lo_cuda.warps_along_k = AUTO_WARPS
         os.environ.pop("MOETIDE_LO_CUDA", None)
@@ -77,24 +73,6 @@ def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool 
         if source is not None:
             lo_cuda.SOURCE = OWN_SOURCE
             lo_cuda.library.cache_clear()
-
-
-def kernel_times(pool, inputs, reps: int = 20) -> dict[str, float]:
-    """Mean device µs per call of each kernel of an eager `fused_moe` call, from the CUDA profiler."""
-    x, ids, weights, pool_of, slot_of = inputs
-    pools = pool if isinstance(pool, list) else [pool]
-    fm.fused_moe(x, ids, weights, pool_of, slot_of, pools)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fm.fused_moe(x, ids, weights, pool_of, slot_of, pools)
-        torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if device_us and event.count >= reps:
-            times[event.key[:60]] = round(device_us / reps, 2)
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def mixed_cell(lo, fmt: str, t: int, shape: tuple, hi_experts: int, reps: int, kernels: bool = False) -> dict:
@@ -119,10 +97,9 @@ def mixed_cell(lo, fmt: str, t: int, shape: tuple, hi_experts: int, reps: int, k
     return row
 
 
-def cell(fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pdl_ab: bool = False,
+def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pdl_ab: bool = False,
          kernels: bool = False, against: str | None = None) -> dict:  # fmt: skip
     hidden, inter, experts, top_k = shape
-    pool = make_pool(fmt, hidden, inter, experts)
     inputs = layer_inputs(t, hidden, experts, top_k)
     x, ids, weights, pool_of, slot_of = inputs
     ref = reference_moe(x, ids, weights, pool_of, slot_of, [pool], F.silu)
@@ -183,8 +160,9 @@ def main() -> int:
     shape = SHAPES[args.shape]
     rows, mixed_rows = [], []
     for fmt in args.formats.split(","):
+        pool = make_pool(fmt, *shape[:3])  # the same rows for every T
         for t in [int(v) for v in args.tokens.split(",")]:
-            row = cell(fmt, t, shape, args.warps_k.split(","), args.reps, args.pdl_ab, args.kernels,
+            row = cell(pool, fmt, t, shape, args.warps_k.split(","), args.reps, args.pdl_ab, args.kernels,
                        args.against_source)
             rows.append(row)
             print(f"{fmt:6s} T={t:5d} roofline {row['roofline_us']:7.1f} us | triton {row['triton_us']:7.1f} "
@@ -194,7 +172,7 @@ def main() -> int:
             if args.pdl_ab or args.kernels:
                 print({k: v for k, v in row.items() if k.startswith(("kernels_", "cuda_plain", "cuda_other"))}, flush=True)
             if args.mixed:
-                mixed = mixed_cell(make_pool(fmt, *shape[:3]), fmt, t, shape, args.mixed, args.reps, args.kernels)
+                mixed = mixed_cell(pool, fmt, t, shape, args.mixed, args.reps, args.kernels)
                 mixed_rows.append(mixed)
                 print(json.dumps(mixed), flush=True)
     target = [r for r in rows if r["tokens"] in (1, 8, 32, 128)]

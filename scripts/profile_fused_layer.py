@@ -26,8 +26,11 @@ from moetide.compute.fused_moe_config import KernelConfig, default_config  # noq
 
 
 def kernel_times(pool, inputs, reps: int) -> dict[str, float]:
+    """Mean device µs per call of each kernel of an eager `fused_moe` call (`pool`: one pool or the
+    layer's list), from the CUDA profiler."""
     x, ids, weights, pool_of, slot_of = inputs
-    call = lambda: fm.fused_moe(x, ids, weights, pool_of, slot_of, [pool])  # noqa: E731
+    pools = pool if isinstance(pool, list) else [pool]
+    call = lambda: fm.fused_moe(x, ids, weights, pool_of, slot_of, pools)  # noqa: E731
     call()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -106,6 +106,7 @@ if PACKED_TILE is not None and PACKED_TILE not in PACKED_TILES:
 # scheduled while the launch before it finishes, and waits on the device before reading its input);
 # off by default: measured, the layer's gains did not reach decode (an A/B switch for the benchmarks)
 PDL = os.environ.get("MOETIDE_PDL") == "1"
+_GDC = dict(USE_GDC=True, launch_pdl=True)  # a launch's arguments as a programmatic dependent
 
 
 @triton.jit
@@ -1138,7 +1139,8 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
         wait_ptr=waits[0] if waits is not None else pool_of,  # (unread when WAIT is -1)
         landed_ptr=waits[1] if waits is not None else pool_of,
     )
-    pdl = dict(USE_GDC=True, launch_pdl=True) if _pdl_launches(hidden.device) else {}
+    pdl = _GDC if _pdl_launches(hidden.device) else {}
+    dependent = any(on_cuda) and lo_cuda.dependent_launches(hidden.device)  # CUDA down after its gate_up
     pair_rows = y.view(num_pairs, slices * hidden_size)  # a CUDA pool's sums: slice 0 of each pair's rows
     for pool_id, pool in enumerate(pools):
         if pool is None:  # a pool without slots (no expert can point there)
@@ -1151,7 +1153,7 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
             _launch_lo_cuda(pool, pool_id, hidden, h, pair_rows, routing, dict(
                 blocks=blocks, block_m=rows_per_block, one_pair=one_pair, sorted_pair=sorted_pair,
                 block_expert=block_expert, pool_of=pool_of, slot_of=slot_of, num_pairs=num_pairs, top_k=top_k,
-                num_tokens=num_tokens, waits=lo_waits))  # fmt: skip
+                num_tokens=num_tokens, waits=lo_waits), dependent)  # fmt: skip
             continue
         if split_i:
             _launch_fused(pool, pool_id, config, tile, num_pairs, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h, y_ptr=y,
@@ -1167,9 +1169,8 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
                        f.down, inter, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
                        **pdl, **common)  # fmt: skip
     last = max(i for i, pool in enumerate(pools) if pool is not None)
-    if on_cuda[last] and not pdl and lo_cuda.dependent_launches(hidden.device):  # after the CUDA down too
-        pdl = dict(USE_GDC=True, launch_pdl=True)
-    return _reduce(y, hidden, flat_ids, pool_of, top_k, slices, pdl, one_slice)
+    reduce_pdl = _GDC if dependent and on_cuda[last] else pdl  # a dependent of the CUDA down too
+    return _reduce(y, hidden, flat_ids, pool_of, top_k, slices, reduce_pdl, one_slice)
 
 
 def _cuda_pools(pools: list, hidden: torch.Tensor, rows_per_block: int, routing_dtype: torch.dtype, config,
@@ -1181,14 +1182,15 @@ def _cuda_pools(pools: list, hidden: torch.Tensor, rows_per_block: int, routing_
     return [pool is not None and lo_cuda.eligible(pool, hidden, rows_per_block, routing_dtype) for pool in pools]
 
 
-def _launch_lo_cuda(pool: Pool, pool_id: int, hidden, h, y, routing, blocks: dict) -> None:
+def _launch_lo_cuda(pool: Pool, pool_id: int, hidden, h, y, routing, blocks: dict,
+                    dependent: bool) -> None:
     """A packed pool's gate_up (x -> h) and down (h -> y, routing weights applied) on the tensor-core
     kernels of `lo_cuda`, over the same blocks as the Triton launches (`blocks`: `lo_cuda.launch`'s
-    block arguments)."""
+    block arguments; `dependent`: down as a programmatic dependent of gate_up)."""
     f = pool.format
     lo_cuda.launch(pool, pool_id, f.gate_up, act=hidden, out=h, k=f.hidden_size, n=f.intermediate_size, **blocks)
     lo_cuda.launch(pool, pool_id, f.down, act=h, out=y, k=f.intermediate_size, n=f.hidden_size, routing=routing,
-                   dependent=lo_cuda.dependent_launches(hidden.device), **blocks)  # fmt: skip
+                   dependent=dependent, **blocks)  # fmt: skip
 
 
 def _reduce(y, hidden, flat_ids, pool_of, top_k: int, slices: int, pdl: dict,
