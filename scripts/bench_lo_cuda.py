@@ -18,7 +18,10 @@ is its time over the roofline; the target `lo_kernel_vs_hbm_roofline_worst` is t
 `--against-source FILE` also times the CUDA kernels built from another lo_mma.cu
 (`cuda_other_source_us`); a warps-along-K value "4/2" gives gate_up's and down's; `--mixed N` adds,
 per cell, the layer that `combined` runs: the N most-routed experts in bf16 hi slots beside the lo
-rows (`tune_mixed_pools.mixed_inputs`), on both paths, and the lo rows alone.
+rows (`tune_mixed_pools.mixed_inputs`), on both paths, and the lo rows alone. `--chain N` also times
+each cell per layer of N in one graph, each layer on its own copy of the rows (`time_layer`'s `copies`:
+a decode step's layers in a row, without a graph launch per layer): `chain_engine_us`, `chain_triton_us`,
+`chain_vs_roofline`. `--max-tokens` / `--wide-block-m` set `lo_cuda.MAX_TOKENS` / `WIDE_BLOCK_M` for the run.
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ def warps_rule(warps: str, hidden: int):
         else int(down)  # fmt: skip
 
 
-def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool = False, source=None):
+def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool = False, source=None,
+          copies: int = 1):  # fmt: skip
     """(µs, output) of the graph-replayed layer on one path, or with `profile` its kernels' mean device µs;
-    `source`: the CUDA kernels built from another lo_mma.cu."""
+    `source`: the CUDA kernels built from another lo_mma.cu; `copies`: per layer of that many in one graph."""
     os.environ["MOETIDE_LO_CUDA"] = "1" if cuda else "0"
     os.environ["MOETIDE_LO_PDL"] = "1" if pdl else "0"
     lo_cuda.warps_along_k = warps_rule(warps, inputs[0].shape[1])
@@ -65,7 +69,7 @@ def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool 
         lo_cuda.SOURCE = Path(source)
         lo_cuda.library.cache_clear()
     try:
-        return kernel_times(pool, inputs, 20) if profile else time_layer(pool, inputs, None, None)
+        return kernel_times(pool, inputs, 20) if profile else time_layer(pool, inputs, None, None, copies)
     finally:
         lo_cuda.warps_along_k = AUTO_WARPS
         os.environ.pop("MOETIDE_LO_CUDA", None)
@@ -98,7 +102,7 @@ def mixed_cell(lo, fmt: str, t: int, shape: tuple, hi_experts: int, reps: int, k
 
 
 def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pdl_ab: bool = False,
-         kernels: bool = False, against: str | None = None) -> dict:  # fmt: skip
+         kernels: bool = False, against: str | None = None, chain: int = 0) -> dict:  # fmt: skip
     hidden, inter, experts, top_k = shape
     inputs = layer_inputs(t, hidden, experts, top_k)
     x, ids, weights, pool_of, slot_of = inputs
@@ -134,11 +138,18 @@ def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pd
     row["auto_warps_k"] = AUTO_WARPS(t, hidden // pool.format.gate_up.group_size, pool.format.gate_up.bits)
     best = min(row["cuda_us"], key=row["cuda_us"].get)
     row["best_warps_k"], row["best_cuda_us"] = best, row["cuda_us"][best]
-    engine_us = row["cuda_us"].get("auto", row["best_cuda_us"]) if row["eligible"] and t <= lo_cuda.MAX_TOKENS \
-        else row["triton_us"]  # fmt: skip
+    engine_us = row["cuda_us"].get("auto", row["best_cuda_us"]) if row["eligible"] else row["triton_us"]
     row.update(engine_us=engine_us, vs_roofline=round(engine_us / roof_us, 2),
                triton_vs_roofline=round(row["triton_us"] / roof_us, 2),
                speedup_vs_triton=round(row["triton_us"] / engine_us, 3))  # fmt: skip
+    if chain > 1:  # per layer of `chain` in one graph, each on its own rows: the engine's path and the tiles
+        runs = {"engine": [], "triton": []}
+        for _ in range(reps):
+            runs["engine"].append(timed(pool, inputs, row["eligible"], "auto", copies=chain)[0])
+            runs["triton"].append(timed(pool, inputs, False, "auto", copies=chain)[0])
+        row["chain"] = chain
+        row.update({f"chain_{k}_us": round(statistics.median(v), 2) for k, v in runs.items()})
+        row["chain_vs_roofline"] = round(row["chain_engine_us"] / roof_us, 2)
     return row
 
 
@@ -154,7 +165,12 @@ def main() -> int:
     ap.add_argument("--kernels", action="store_true", help="each path's kernels from the CUDA profiler")
     ap.add_argument("--mixed", type=int, default=0, help="also time the layer with N bf16 hi experts beside")
     ap.add_argument("--against-source", default=None, help="also time the CUDA kernels built from this lo_mma.cu")
+    ap.add_argument("--chain", type=int, default=0, help="also time each cell per layer of N in one graph")
+    ap.add_argument("--max-tokens", type=int, default=lo_cuda.MAX_TOKENS, help="lo_cuda.MAX_TOKENS for the run")
+    ap.add_argument("--wide-block-m", type=int, default=lo_cuda.WIDE_BLOCK_M, choices=(16, 32),
+                    help="rows per block of the kernels where the table's tiles have more")  # fmt: skip
     args = ap.parse_args()
+    lo_cuda.MAX_TOKENS, lo_cuda.WIDE_BLOCK_M = args.max_tokens, args.wide_block_m
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     shape = SHAPES[args.shape]
@@ -163,13 +179,13 @@ def main() -> int:
         pool = make_pool(fmt, *shape[:3])  # the same rows for every T
         for t in [int(v) for v in args.tokens.split(",")]:
             row = cell(pool, fmt, t, shape, args.warps_k.split(","), args.reps, args.pdl_ab, args.kernels,
-                       args.against_source)
+                       args.against_source, args.chain)
             rows.append(row)
             print(f"{fmt:6s} T={t:5d} roofline {row['roofline_us']:7.1f} us | triton {row['triton_us']:7.1f} "
                   f"({row['triton_vs_roofline']:.2f}x) | cuda {row['cuda_us']} -> engine {row['engine_us']:.1f} "
                   f"({row['vs_roofline']:.2f}x) | err triton {row['err_triton']:.1e} cuda "
                   f"{row.get('err_cuda_wkauto', float('nan')):.1e}", flush=True)  # fmt: skip
-            if args.pdl_ab or args.kernels:
+            if args.pdl_ab or args.kernels or args.against_source:
                 print({k: v for k, v in row.items() if k.startswith(("kernels_", "cuda_plain", "cuda_other"))}, flush=True)
             if args.mixed:
                 mixed = mixed_cell(pool, fmt, t, shape, args.mixed, args.reps, args.kernels)
@@ -178,10 +194,14 @@ def main() -> int:
     target = [r for r in rows if r["tokens"] in (1, 8, 32, 128)]
     worst = max(target, key=lambda r: r["vs_roofline"]) if target else None
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "max_tokens": args.max_tokens, "wide_block_m": args.wide_block_m,
               "rows": rows, "mixed": mixed_rows, "worst": worst and {k: worst[k] for k in ("format", "tokens", "vs_roofline")}}  # fmt: skip
+    if args.chain > 1 and target:
+        chained = max(target, key=lambda r: r["chain_vs_roofline"])
+        result["worst_chain"] = {k: chained[k] for k in ("format", "tokens", "chain_vs_roofline")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print("worst:", result["worst"])
+    print("worst:", result["worst"], "chained:", result.get("worst_chain"))
     return 0
 
 

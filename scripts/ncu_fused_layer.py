@@ -6,8 +6,9 @@
         --section MemoryWorkloadAnalysis python3 scripts/ncu_fused_layer.py int2 1 v6 [1,16,512,4,2]
 
 Arguments: the pool format, T, the packed tile product ("engine": the path the engine takes, the
-tensor-core kernels of `lo_cuda` where they apply), and optionally the tiles (block_m, block_n,
-block_k, warps, stages; else the tile table's), on the OLMoE shape with the tuner's random weights.
+tensor-core kernels of `lo_cuda` where they apply; "cuda": those kernels at any T), and optionally
+the tiles (block_m, block_n, block_k, warps, stages; else the tile table's), on the OLMoE shape
+with the tuner's random weights.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tune_fused_moe import SHAPES, layer_inputs, make_pool  # noqa: E402
 
 from moetide.compute import fused_moe as fm  # noqa: E402
+from moetide.compute import lo_cuda  # noqa: E402
 from moetide.compute.fused_moe_config import KernelConfig  # noqa: E402
 
 
@@ -28,7 +30,10 @@ def main() -> int:
     if len(sys.argv) < 4:
         print(__doc__)
         return 2
-    fmt, num_tokens, tile = sys.argv[1], int(sys.argv[2]), None if sys.argv[3] == "engine" else sys.argv[3]
+    fmt, num_tokens, tile = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    tile = None if tile in ("engine", "cuda") else tile
+    if sys.argv[3] == "cuda":
+        lo_cuda.MAX_TOKENS = max(lo_cuda.MAX_TOKENS, num_tokens)
     config = KernelConfig(*[int(v) for v in sys.argv[4].split(",")]) if len(sys.argv) > 4 else None
     hidden, inter, experts, top_k = SHAPES["olmoe-1b-7b"]
     pool = make_pool(fmt, hidden, inter, experts)

@@ -82,19 +82,26 @@ def layer_inputs(num_tokens: int, hidden: int, experts: int, top_k: int):
     return x, ids, weights, pool_of, slot_of
 
 
-def time_layer(pool, inputs, config, variant: str | None) -> tuple[float, torch.Tensor]:
+def time_layer(pool, inputs, config, variant: str | None, copies: int = 1) -> tuple[float, torch.Tensor]:
     """Median microseconds of one graph-replayed `fused_moe` call, and its output (of the last replay).
-    `pool`: one `Pool`, or the layer's list of pools (`config` then one per pool, or None)."""
+    `pool`: one `Pool`, or the layer's list of pools (`config` then one per pool, or None). `copies` > 1:
+    the graph runs that many layers in a row, each on its own copy of the pools' arenas (as a decode
+    step's layers follow each other: no graph launch per layer, no layer's rows in L2 for the next), and
+    the time is per layer; the output is the first one's."""
     x, ids, weights, pool_of, slot_of = inputs
     pools = pool if isinstance(pool, list) else [pool]
+    layers = [pools] + [[Pool(p.arena.clone(), p.format) if p is not None else None for p in pools]
+                        for _ in range(copies - 1)]  # fmt: skip
 
     def call():
-        return fm.fused_moe(x, ids, weights, pool_of, slot_of, pools, config=config, packed_tile=variant)
+        outs = [fm.fused_moe(x, ids, weights, pool_of, slot_of, ps, config=config, packed_tile=variant)
+                for ps in layers]  # fmt: skip
+        return outs[0]
 
     if DEVICE == "cpu":
         start = time.perf_counter()
         out = call()
-        return (time.perf_counter() - start) * 1e6, out
+        return (time.perf_counter() - start) * 1e6 / copies, out
     import triton.testing
 
     call()  # compile
@@ -107,7 +114,7 @@ def time_layer(pool, inputs, config, variant: str | None) -> tuple[float, torch.
     with torch.cuda.graph(graph):
         out = call()
     ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
-    return ms * 1000, out.clone()
+    return ms * 1000 / copies, out.clone()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

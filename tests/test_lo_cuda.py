@@ -48,6 +48,29 @@ def test_cpu_tensors_and_other_dtypes_stay_on_the_triton_path():
     assert not lo_cuda.eligible(pool, torch.zeros(1, H), 1, torch.float32)
 
 
+def test_blocks_wider_than_the_kernels_take_are_cut_only_where_that_puts_a_pool_on_them(monkeypatch):
+    """The table gives prefill-sized T 64-row blocks; the kernels take at most WIDE_BLOCK_M. Where the
+    lo pool would run on them at WIDE_BLOCK_M rows, every pool's blocks are cut to that; where no pool
+    would, the table's blocks stay. (Which pools can run there is `_cuda_pools`'s: stood in for here.)"""
+    from moetide.compute import fused_moe
+
+    dtype = torch.bfloat16
+    pools = [make_pool(E, I, H, "hi", dtype, seed=1), make_pool(E, I, H, "int2", dtype, seed=2)]
+    hidden = torch.zeros(256, H, dtype=dtype)
+    table_rows = fused_moe.pool_configs(256, pools)[1].block_m
+    assert table_rows > lo_cuda.WIDE_BLOCK_M
+    narrow = lambda pools, hidden, rows, *a: [False, rows <= lo_cuda.WIDE_BLOCK_M]  # noqa: E731
+    monkeypatch.setattr(fused_moe, "_cuda_pools", narrow)
+    configs, block_m, one_pair, on_cuda = fused_moe._layer_blocks(256, pools, hidden, torch.float32, None,
+                                                                 None)  # fmt: skip
+    assert (block_m, one_pair, on_cuda) == (lo_cuda.WIDE_BLOCK_M, False, [False, True])
+    assert [c.block_m for c in configs] == [lo_cuda.WIDE_BLOCK_M] * 2
+    monkeypatch.setattr(fused_moe, "_cuda_pools", lambda *a: [False, False])
+    configs, block_m, _, on_cuda = fused_moe._layer_blocks(256, pools, hidden, torch.float32, None, None)
+    assert (block_m, on_cuda) == (table_rows, [False, False])
+    assert [c.block_m for c in configs] == [table_rows] * 2
+
+
 def gpu_kernel():
     if not (CUDA and HAS_TRITON):
         pytest.skip("the CUDA kernels need a CUDA device")
@@ -70,23 +93,41 @@ def layer(fmt: str, num_tokens: int, seed: int = 0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int2", "int4", "int2+int4"])
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 16, 32, 33])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 16, 32, 33, 256])
 def test_the_cuda_kernels_equal_the_reference_and_the_triton_tiles(fmt, num_tokens, monkeypatch):
     """Up to MAX_TOKENS the lo pool takes the CUDA kernels (one gate_up and one down launch), above it
-    the Triton tiles; either way the layer equals the reference."""
+    (below PREFILL_TOKENS) the Triton tiles; either way the layer equals the reference."""
     fused_moe = gpu_kernel()
     hidden, ids, weights, pool_of, slot_of, pools = layer(fmt, num_tokens)
     launches = []
     real = lo_cuda.launch
     monkeypatch.setattr(lo_cuda, "launch", lambda *a, **kw: launches.append(a[1]) or real(*a, **kw))
     out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
-    want = [1, 1] if num_tokens <= lo_cuda.MAX_TOKENS else []
+    want = [1, 1] if lo_cuda.takes_tokens(num_tokens) else []
     assert launches == want, f"the lo pool's CUDA launches: {launches}"
     assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), torch.bfloat16)
     monkeypatch.setenv("MOETIDE_LO_CUDA", "0")
     triton_out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
     assert launches == want
     assert_close(out, triton_out, torch.bfloat16)  # the table's tiles may round weights (v1) or not
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int2", "int4"])
+@pytest.mark.parametrize("num_tokens", [64, 256])
+def test_blocks_wider_than_the_kernels_take_are_cut_for_every_pool(fmt, num_tokens, monkeypatch):
+    """At a T the kernels take whose table tiles have more rows per block than they do (256 tokens:
+    64-row blocks), the layer's blocks are cut to WIDE_BLOCK_M for the hi pool's Triton tiles too;
+    at 64 tokens (the kernels let take it) the table's 16 stay: both equal the reference."""
+    fused_moe = gpu_kernel()
+    monkeypatch.setattr(lo_cuda, "MAX_TOKENS", max(lo_cuda.MAX_TOKENS, num_tokens))
+    hidden, ids, weights, pool_of, slot_of, pools = layer(fmt, num_tokens)
+    table_rows = fused_moe.pool_configs(num_tokens, pools)[1].block_m
+    rows, real = [], lo_cuda.launch
+    monkeypatch.setattr(lo_cuda, "launch", lambda *a, **kw: rows.append(kw["block_m"]) or real(*a, **kw))
+    out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+    assert rows == [min(table_rows, lo_cuda.WIDE_BLOCK_M)] * 2, (table_rows, rows)
+    assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -189,6 +230,36 @@ def test_the_demo_models_greedy_tokens_through_the_cuda_kernels_equal_the_refere
     assert torch.equal(logits.argmax(-1)[clear], ref_logits.argmax(-1)[clear])
     first = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), None)
     assert first is None or margin[first] <= MARGIN, (first, float(margin[first]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["static-int2", "static-int4"])
+def test_a_prefill_chunk_through_the_cuda_kernels_equals_the_reference_path(policy, monkeypatch):
+    """One forward of PREFILL_TOKENS tokens of text (a prefill chunk: the kernels on blocks cut to
+    WIDE_BLOCK_M rows), bf16: the logits agree with the dequantize reference's as in the test above,
+    and every position whose top-2 margin exceeds MARGIN takes the same token."""
+    fused_moe = gpu_kernel()
+    from transformers import AutoTokenizer
+    from triton_interpreter import run_both_kernels
+
+    from moetide.engine.llm import demo_model_path
+
+    rows, real = [], lo_cuda.launch
+    monkeypatch.setattr(lo_cuda, "launch", lambda *a, **kw: rows.append(kw["block_m"]) or real(*a, **kw))
+    text = " ".join([(__doc__ or "") + " " + (fused_moe.__doc__ or "")] * 8)
+    ids = AutoTokenizer.from_pretrained(demo_model_path())(text)["input_ids"][: lo_cuda.PREFILL_TOKENS]
+    assert len(ids) == lo_cuda.PREFILL_TOKENS
+    kwargs = dict(device="cuda", dtype="bfloat16", policy=policy, gpu_memory="512MiB")
+    forward = torch.tensor([ids], device="cuda")
+    got, _ = run_both_kernels(fused_moe, monkeypatch, demo_model_path(), forward, 1, **kwargs)
+    assert lo_cuda.WIDE_BLOCK_M in rows, f"the prefill forward never ran on the kernels' blocks: {set(rows)}"
+    ref_logits, logits = got["dequant"][0][0], got["triton"][0][0]
+    err = float((logits - ref_logits).norm() / ref_logits.norm())
+    assert err < LOGIT_ERR[policy], err
+    top2 = ref_logits.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > MARGIN
+    assert clear.float().mean() > 0.3, "too few clear positions for the check to mean anything"
+    assert torch.equal(logits.argmax(-1)[clear], ref_logits.argmax(-1)[clear])
 
 
 # end-to-end logit error against the reference, which rounds every dequantized weight to bf16 and the

@@ -15,7 +15,9 @@ Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed 
             `moe_align_block_size`); at
             BLOCK_M == 1 (GEMV tiles), and for any tiles at T <= GEMV_MAX_TOKENS, every pair is
             its own block (its first row; h indexed by pair) and the kernels read the router's ids
-            as they are: no sort.
+            as they are: no sort. Where the lo pool runs on the tensor-core kernels (`lo_cuda`) at a T
+            whose tiles have wider blocks than those take (prefill chunks), every pool's blocks are
+            cut to `lo_cuda.WIDE_BLOCK_M` rows (`_layer_blocks`).
   gate_up   per pool, grid (blocks, cdiv(I, BLOCK_N)): h = silu(x @ Wg^T) * (x @ Wu^T) into a
             (padded pairs, I) scratch. Blocks whose expert lives in another pool exit at once.
   down      per pool, grid (blocks, cdiv(H, BLOCK_N)): y[pair] = w[pair] * (h @ Wd^T), float32.
@@ -1106,11 +1108,9 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
     inter = fmt.intermediate_size
     if fmt.hidden_size != hidden_size:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not fit the pools' H={fmt.hidden_size}")
-    configs = pool_configs(num_tokens, pools, config)
-    block_m = next(c for c in configs if c is not None).block_m
-    one_pair = block_m == 1 or num_tokens <= GEMV_MAX_TOKENS  # each pair its own block: no sort
+    configs, block_m, one_pair, on_cuda = _layer_blocks(num_tokens, pools, hidden, topk_weights.dtype, config,
+                                                        packed_tile)  # fmt: skip
     rows_per_block = 1 if one_pair else block_m
-    on_cuda = _cuda_pools(pools, hidden, rows_per_block, topk_weights.dtype, config, packed_tile)
     # > 0: one launch per Triton pool; the CUDA pools write their sums into slice 0 of their pairs' rows
     triton_pools = any(pool is not None and not cuda for pool, cuda in zip(pools, on_cuda, strict=True))
     split_i = next(c for c in configs if c is not None).split_i if triton_pools else 0
@@ -1171,6 +1171,24 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
     last = max(i for i, pool in enumerate(pools) if pool is not None)
     reduce_pdl = _GDC if dependent and on_cuda[last] else pdl  # a dependent of the CUDA down too
     return _reduce(y, hidden, flat_ids, pool_of, top_k, slices, reduce_pdl, one_slice)
+
+
+def _layer_blocks(num_tokens: int, pools: list, hidden: torch.Tensor, routing_dtype: torch.dtype, config,
+                  packed_tile: str | None) -> tuple[list, int, bool, list[bool]]:  # fmt: skip
+    """(configs, block_m, one_pair, on_cuda): every pool's tiles (`pool_configs`), their shared rows per
+    sorted block, whether each pair is its own block (no sort), and which pools run on the tensor-core
+    kernels (`_cuda_pools`). Where the table's blocks have more rows than those kernels take (64 at
+    prefill-sized T), every pool's blocks are cut to `lo_cuda.WIDE_BLOCK_M` if that puts a pool on them."""
+    configs = pool_configs(num_tokens, pools, config)
+    block_m = next(c for c in configs if c is not None).block_m
+    one_pair = block_m == 1 or num_tokens <= GEMV_MAX_TOKENS  # each pair its own block: no sort
+    on_cuda = _cuda_pools(pools, hidden, 1 if one_pair else block_m, routing_dtype, config, packed_tile)
+    if not one_pair and block_m > lo_cuda.WIDE_BLOCK_M and not any(on_cuda):
+        narrow = _cuda_pools(pools, hidden, lo_cuda.WIDE_BLOCK_M, routing_dtype, config, packed_tile)
+        if any(narrow):
+            block_m, on_cuda = lo_cuda.WIDE_BLOCK_M, narrow
+            configs = [replace(c, block_m=block_m) if c is not None else None for c in configs]
+    return configs, block_m, one_pair, on_cuda
 
 
 def _cuda_pools(pools: list, hidden: torch.Tensor, rows_per_block: int, routing_dtype: torch.dtype, config,

@@ -1,7 +1,8 @@
 """The lo pool's projections on tensor cores (`csrc/lo_mma.cu`), built once with nvcc, called by ctypes.
 
 `fused_moe` sends a packed pool's gate_up and down launches here (`eligible`) instead of to its
-Triton tiles, for T <= MAX_TOKENS: the same sorted blocks, scratch h and per-pair y, so the reduce
+Triton tiles, for T <= MAX_TOKENS (decode batches) and T >= PREFILL_TOKENS (prefill chunks, on blocks
+of at most WIDE_BLOCK_M rows): the same sorted blocks, scratch h and per-pair y, so the reduce
 and every other pool are unchanged (a pool on its one-launch slices beside it included: the CUDA
 pool's sums fill slice 0 of its pairs' rows). The kernel reads the arena rows as they are; why that
 can use tensor cores is in the source's header. On sm_90 down runs as a programmatic dependent of
@@ -31,9 +32,11 @@ import torch
 from ..residency.slot_table import MatrixFormat, Pool
 
 SOURCE = Path(__file__).with_name("csrc") / "lo_mma.cu"
-MAX_TOKENS = 32  # above this the Triton dot tiles take the lo pool (measured: BENCHMARKS.md §0m)
+MAX_TOKENS = 32  # up to this many tokens the kernels take the lo pool, and from PREFILL_TOKENS on; between,
+PREFILL_TOKENS = 256  # the Triton dot tiles (a tie at 64 and 128 tokens, int4 faster: BENCHMARKS.md §0o)
 GROUP_BITS = 256  # a group of a row is 8 int32 words (int2 in groups of 128, int4 in groups of 64)
 BLOCK_MS = (1, 8, 16, 32)  # sorted block sizes the kernel takes (8 * its n8 tiles)
+WIDE_BLOCK_M = 32  # the layer's blocks where the table's tiles have more rows than the kernel takes
 ROUTING_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -143,13 +146,13 @@ def _fits(matrix: MatrixFormat, k: int, n: int, row_bytes: int) -> bool:
 def eligible(pool: Pool, hidden: torch.Tensor, block_m: int, routing_dtype: torch.dtype) -> bool:
     """Whether this pool's launches go to the CUDA kernels: both matrices packed int2 / int4 in groups
     of 256 bits (the default groups: 128 and 64 codes), rows aligned to 16 bytes, bf16 activations on a CUDA
-    device with the library built, T <= MAX_TOKENS and sorted blocks of at most 32 rows."""
+    device with the library built, a T the kernels take (`takes_tokens`), sorted blocks of at most 32 rows."""
     f = pool.format
     if not (enabled() and hidden.is_cuda and hidden.dtype == torch.bfloat16 and block_m in BLOCK_MS):
         return False
     if routing_dtype not in ROUTING_DTYPES:
         return False
-    if hidden.shape[0] > MAX_TOKENS or not (f.gate_up.packed and f.down.packed):
+    if not takes_tokens(hidden.shape[0]) or not (f.gate_up.packed and f.down.packed):
         return False
     row_bytes = pool.arena.shape[1]
     if not (_fits(f.gate_up, f.hidden_size, f.intermediate_size, row_bytes)
@@ -158,11 +161,17 @@ def eligible(pool: Pool, hidden: torch.Tensor, block_m: int, routing_dtype: torc
     return library(hidden.device.index) is not None
 
 
+def takes_tokens(num_tokens: int) -> bool:
+    """Whether a layer of `num_tokens` tokens runs its lo pool here: decode batches up to MAX_TOKENS and
+    prefill chunks from PREFILL_TOKENS on (2.0-2.7x faster than the tiles there, BENCHMARKS.md §0o)."""
+    return num_tokens <= MAX_TOKENS or num_tokens >= PREFILL_TOKENS
+
+
 def warps_along_k(num_tokens: int, groups: int, bits: int) -> int:
-    """Warps of a program that split K (the others split N): 4 for int4 and for int2 up to 4 tokens,
-    2 for int2 above (the fastest of 1, 2, 4 per cell on the H200, BENCHMARKS.md §0m); a divisor of
-    the row's `groups`."""
-    wk = 4 if bits == 4 or num_tokens <= 4 else 2
+    """Warps of a program that split K (the others split N): 4 for int4 up to 32 tokens and for int2 up
+    to 4 tokens, 2 above (the fastest of 1, 2, 4 per cell on the H200, BENCHMARKS.md §0m, §0o); a
+    divisor of the row's `groups`."""
+    wk = 4 if num_tokens <= 4 or bits == 4 and num_tokens <= MAX_TOKENS else 2
     while groups % wk:
         wk //= 2
     return wk
