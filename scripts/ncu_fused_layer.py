@@ -30,9 +30,9 @@ def main() -> int:
     if len(sys.argv) < 4:
         print(__doc__)
         return 2
-    fmt, num_tokens, tile = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    tile = None if tile in ("engine", "cuda") else tile
-    if sys.argv[3] == "cuda":
+    fmt, num_tokens, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    tile = None if path in ("engine", "cuda") else path
+    if path == "cuda":
         lo_cuda.MAX_TOKENS = max(lo_cuda.MAX_TOKENS, num_tokens)
     config = KernelConfig(*[int(v) for v in sys.argv[4].split(",")]) if len(sys.argv) > 4 else None
     hidden, inter, experts, top_k = SHAPES["olmoe-1b-7b"]

@@ -1182,12 +1182,11 @@ def _layer_blocks(num_tokens: int, pools: list, hidden: torch.Tensor, routing_dt
     configs = pool_configs(num_tokens, pools, config)
     block_m = next(c for c in configs if c is not None).block_m
     one_pair = block_m == 1 or num_tokens <= GEMV_MAX_TOKENS  # each pair its own block: no sort
-    on_cuda = _cuda_pools(pools, hidden, 1 if one_pair else block_m, routing_dtype, config, packed_tile)
-    if not one_pair and block_m > lo_cuda.WIDE_BLOCK_M and not any(on_cuda):
-        narrow = _cuda_pools(pools, hidden, lo_cuda.WIDE_BLOCK_M, routing_dtype, config, packed_tile)
-        if any(narrow):
-            block_m, on_cuda = lo_cuda.WIDE_BLOCK_M, narrow
-            configs = [replace(c, block_m=block_m) if c is not None else None for c in configs]
+    rows = 1 if one_pair else block_m if block_m in lo_cuda.BLOCK_MS else lo_cuda.WIDE_BLOCK_M
+    on_cuda = _cuda_pools(pools, hidden, rows, routing_dtype, config, packed_tile)
+    if any(on_cuda) and not one_pair and rows != block_m:  # the kernels' blocks for every pool
+        block_m = rows
+        configs = [replace(c, block_m=block_m) if c is not None else None for c in configs]
     return configs, block_m, one_pair, on_cuda
 
 
