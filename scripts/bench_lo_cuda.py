@@ -21,7 +21,10 @@ per cell, the layer that `combined` runs: the N most-routed experts in bf16 hi s
 rows (`tune_mixed_pools.mixed_inputs`), on both paths, and the lo rows alone. `--chain N` also times
 each cell per layer of N in one graph, each layer on its own copy of the rows (`time_layer`'s `copies`:
 a decode step's layers in a row, without a graph launch per layer): `chain_engine_us`, `chain_triton_us`,
-`chain_vs_roofline`. `--max-tokens` / `--wide-block-m` set `lo_cuda.MAX_TOKENS` / `WIDE_BLOCK_M` for the run.
+`chain_vs_roofline`. `--rows-ab` also times the CUDA kernels with every block of 16 / 32 rows on each
+main loop (`cuda_tokens_as_rows_us`, `cuda_weights_as_rows_us`: `lo_cuda.tokens_as_rows` from 0 tokens,
+or never). `--max-tokens` / `--wide-block-m` / `--tokens-as-rows-from` set `lo_cuda.MAX_TOKENS` /
+`WIDE_BLOCK_M` / `TOKENS_AS_ROWS_FROM` for the run.
 """
 
 from __future__ import annotations
@@ -59,9 +62,13 @@ def warps_rule(warps: str, hidden: int):
 
 
 def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool = False, source=None,
-          copies: int = 1):  # fmt: skip
+          copies: int = 1, tokens_as_rows_from: int | None = None):  # fmt: skip
     """(µs, output) of the graph-replayed layer on one path, or with `profile` its kernels' mean device µs;
-    `source`: the CUDA kernels built from another lo_mma.cu; `copies`: per layer of that many in one graph."""
+    `source`: the CUDA kernels built from another lo_mma.cu; `copies`: per layer of that many in one graph;
+    `tokens_as_rows_from`: `lo_cuda.TOKENS_AS_ROWS_FROM` for this layer."""
+    own_from = lo_cuda.TOKENS_AS_ROWS_FROM
+    if tokens_as_rows_from is not None:
+        lo_cuda.TOKENS_AS_ROWS_FROM = tokens_as_rows_from
     os.environ["MOETIDE_LO_CUDA"] = "1" if cuda else "0"
     os.environ["MOETIDE_LO_PDL"] = "1" if pdl else "0"
     lo_cuda.warps_along_k = warps_rule(warps, inputs[0].shape[1])
@@ -72,6 +79,7 @@ def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool 
         return kernel_times(pool, inputs, 20) if profile else time_layer(pool, inputs, None, None, copies)
     finally:
         lo_cuda.warps_along_k = AUTO_WARPS
+        lo_cuda.TOKENS_AS_ROWS_FROM = own_from
         os.environ.pop("MOETIDE_LO_CUDA", None)
         os.environ.pop("MOETIDE_LO_PDL", None)
         if source is not None:
@@ -102,7 +110,8 @@ def mixed_cell(lo, fmt: str, t: int, shape: tuple, hi_experts: int, reps: int, k
 
 
 def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pdl_ab: bool = False,
-         kernels: bool = False, against: str | None = None, chain: int = 0) -> dict:  # fmt: skip
+         kernels: bool = False, against: str | None = None, chain: int = 0,
+         rows_ab: bool = False) -> dict:  # fmt: skip
     hidden, inter, experts, top_k = shape
     inputs = layer_inputs(t, hidden, experts, top_k)
     x, ids, weights, pool_of, slot_of = inputs
@@ -112,6 +121,8 @@ def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pd
            "eligible": lo_cuda.eligible(pool, x, 1, weights.dtype)}  # fmt: skip
     triton_times, cuda_times = [], {w: [] for w in warps_k}
     plain_times, other_times = [], []
+    orientations = {"tokens_as_rows": 0, "weights_as_rows": 1 << 30} if rows_ab else {}
+    orientation_times = {k: [] for k in orientations}
     for _ in range(reps):
         us, out = timed(pool, inputs, False, "auto")
         triton_times.append(us)
@@ -126,6 +137,11 @@ def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pd
             us, out = timed(pool, inputs, True, "auto", source=against)
             other_times.append(us)
             row["err_cuda_other_source"] = rel_err(out, ref)
+        for name, start in orientations.items():
+            us, out = timed(pool, inputs, True, "auto", tokens_as_rows_from=start)
+            orientation_times[name].append(us)
+            row[f"err_cuda_{name}"] = rel_err(out, ref)
+    row.update({f"cuda_{k}_us": round(statistics.median(v), 2) for k, v in orientation_times.items()})
     if plain_times:
         row["cuda_plain_us"] = round(statistics.median(plain_times), 2)
     if other_times:
@@ -169,8 +185,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=lo_cuda.MAX_TOKENS, help="lo_cuda.MAX_TOKENS for the run")
     ap.add_argument("--wide-block-m", type=int, default=lo_cuda.WIDE_BLOCK_M, choices=(16, 32),
                     help="rows per block of the kernels where the table's tiles have more")  # fmt: skip
+    ap.add_argument("--tokens-as-rows-from", type=int, default=lo_cuda.TOKENS_AS_ROWS_FROM,
+                    help="lo_cuda.TOKENS_AS_ROWS_FROM for the run")  # fmt: skip
+    ap.add_argument("--rows-ab", action="store_true", help="also time both main loops of the CUDA kernels")
     args = ap.parse_args()
     lo_cuda.MAX_TOKENS, lo_cuda.WIDE_BLOCK_M = args.max_tokens, args.wide_block_m
+    lo_cuda.TOKENS_AS_ROWS_FROM = args.tokens_as_rows_from
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     shape = SHAPES[args.shape]
@@ -179,14 +199,15 @@ def main() -> int:
         pool = make_pool(fmt, *shape[:3])  # the same rows for every T
         for t in [int(v) for v in args.tokens.split(",")]:
             row = cell(pool, fmt, t, shape, args.warps_k.split(","), args.reps, args.pdl_ab, args.kernels,
-                       args.against_source, args.chain)
+                       args.against_source, args.chain, args.rows_ab)
             rows.append(row)
             print(f"{fmt:6s} T={t:5d} roofline {row['roofline_us']:7.1f} us | triton {row['triton_us']:7.1f} "
                   f"({row['triton_vs_roofline']:.2f}x) | cuda {row['cuda_us']} -> engine {row['engine_us']:.1f} "
                   f"({row['vs_roofline']:.2f}x) | err triton {row['err_triton']:.1e} cuda "
                   f"{row.get('err_cuda_wkauto', float('nan')):.1e}", flush=True)  # fmt: skip
-            if args.pdl_ab or args.kernels or args.against_source:
-                print({k: v for k, v in row.items() if k.startswith(("kernels_", "cuda_plain", "cuda_other"))}, flush=True)
+            if args.pdl_ab or args.kernels or args.against_source or args.rows_ab:
+                extra = ("kernels_", "cuda_plain", "cuda_other", "cuda_tokens_as", "cuda_weights_as")
+                print({k: v for k, v in row.items() if k.startswith(extra)}, flush=True)
             if args.mixed:
                 mixed = mixed_cell(pool, fmt, t, shape, args.mixed, args.reps, args.kernels)
                 mixed_rows.append(mixed)
@@ -195,6 +216,7 @@ def main() -> int:
     worst = max(target, key=lambda r: r["vs_roofline"]) if target else None
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "max_tokens": args.max_tokens, "wide_block_m": args.wide_block_m,
+              "tokens_as_rows_from": args.tokens_as_rows_from,
               "rows": rows, "mixed": mixed_rows, "worst": worst and {k: worst[k] for k in ("format", "tokens", "vs_roofline")}}  # fmt: skip
     if args.chain > 1 and target:
         chained = max(target, key=lambda r: r["chain_vs_roofline"])

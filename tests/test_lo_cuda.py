@@ -1,7 +1,7 @@
 """The lo pool's tensor-core kernels (`compute/lo_cuda.py`, `csrc/lo_mma.cu`): on the GPU they equal
 the per-expert PyTorch reference and the Triton tiles for int2, int4 and int2 gate_up + int4 down
-rows beside bf16 hi slots, for any T up to `MAX_TOKENS`, in a CUDA graph, waiting for a copy in
-flight, and end to end (greedy tokens of the demo model equal the dequantize reference). On the CPU:
+rows beside bf16 hi slots, for every T they take (`takes_tokens`), in a CUDA graph, waiting for a copy
+in flight, and end to end (greedy tokens of the demo model equal the dequantize reference). On the CPU:
 the build's error and the ctypes mirror of the kernel's arguments."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from moetide.compute import lo_cuda
 from moetide.compute.expert_compute import reference_moe
 
 E, TOP_K, H, I = 16, 4, 256, 128
+PREFILL_TOKENS = 256  # the prefill forward's chunk
 
 
 def test_the_ctypes_arguments_mirror_the_kernels_struct():
@@ -34,6 +35,14 @@ def test_the_ctypes_arguments_mirror_the_kernels_struct():
         assert ctypes.sizeof(mirror) == size, name
 
 
+def test_the_ctypes_signature_mirrors_the_kernels_entry_point():
+    """An argument added on one side only would pass the stream as an int (or an int as the stream)."""
+    params = re.search(r'extern "C" int moetide_lo_mma\((.*?)\)', lo_cuda.SOURCE.read_text(), re.S).group(1)
+    kinds = [p.strip().rsplit(None, 1)[0] if " " in p.strip() else p.strip() for p in params.split(",")]
+    mirror = {"const LoArgs*": ctypes.POINTER(lo_cuda.LoArgs), "int": ctypes.c_int, "void*": ctypes.c_void_p}
+    assert [mirror[k] for k in kinds] == lo_cuda.ENTRY_ARGTYPES, kinds
+
+
 def test_a_failed_build_says_why_in_one_line(tmp_path):
     with pytest.raises(RuntimeError, match=r"^nvcc could not build lo_mma\.cu for sm_90: ") as error:
         lo_cuda.build("90", "/bin/false", tmp_path)
@@ -46,6 +55,21 @@ def test_cpu_tensors_and_other_dtypes_stay_on_the_triton_path():
     assert not lo_cuda.eligible(pool, torch.zeros(1, H, dtype=torch.bfloat16, device=pool.arena.device), 1,
                                 torch.float32) or CUDA  # fmt: skip
     assert not lo_cuda.eligible(pool, torch.zeros(1, H), 1, torch.float32)
+
+
+def test_int2_pools_take_the_kernels_at_every_t_and_int4_ones_outside_the_tiles_range():
+    """int2 beats the tiles from 33 to 128 tokens, int4 does not (BENCHMARKS.md §0p)."""
+    assert all(lo_cuda.takes_tokens(t, 2) for t in (1, 32, 33, 64, 128, 129, 256, 2048))
+    assert all(lo_cuda.takes_tokens(t, 4) for t in (1, lo_cuda.MAX_TOKENS, lo_cuda.TILES_MAX_TOKENS + 1, 2048))
+    between = (lo_cuda.MAX_TOKENS + 1, 64, lo_cuda.TILES_MAX_TOKENS)
+    assert not any(lo_cuda.takes_tokens(t, 4) for t in between)
+
+
+def test_blocks_of_16_and_32_rows_run_the_tokens_as_rows_from_the_threshold_on():
+    start = lo_cuda.TOKENS_AS_ROWS_FROM
+    assert lo_cuda.tokens_as_rows(start, 16) and lo_cuda.tokens_as_rows(4 * start, 32)
+    assert not any(lo_cuda.tokens_as_rows(start - 1, rows) for rows in (16, 32))
+    assert not any(lo_cuda.tokens_as_rows(4 * start, rows) for rows in (1, 8))
 
 
 def test_blocks_wider_than_the_kernels_take_are_cut_only_where_that_puts_a_pool_on_them(monkeypatch):
@@ -93,23 +117,50 @@ def layer(fmt: str, num_tokens: int, seed: int = 0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int2", "int4", "int2+int4"])
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 16, 32, 33, 256])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 16, 32, 33, 128, 256])
 def test_the_cuda_kernels_equal_the_reference_and_the_triton_tiles(fmt, num_tokens, monkeypatch):
-    """Up to MAX_TOKENS the lo pool takes the CUDA kernels (one gate_up and one down launch), above it
-    (below PREFILL_TOKENS) the Triton tiles; either way the layer equals the reference."""
+    """Where `takes_tokens` says so the lo pool takes the CUDA kernels (one gate_up and one down launch:
+    int2 at every T, int4 up to MAX_TOKENS and above TILES_MAX_TOKENS), else the Triton tiles; either
+    way the layer equals the reference."""
     fused_moe = gpu_kernel()
     hidden, ids, weights, pool_of, slot_of, pools = layer(fmt, num_tokens)
     launches = []
     real = lo_cuda.launch
     monkeypatch.setattr(lo_cuda, "launch", lambda *a, **kw: launches.append(a[1]) or real(*a, **kw))
     out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
-    want = [1, 1] if lo_cuda.takes_tokens(num_tokens) else []
+    f = pools[1].format
+    want = [1, 1] if lo_cuda.takes_tokens(num_tokens, max(f.gate_up.bits, f.down.bits)) else []
     assert launches == want, f"the lo pool's CUDA launches: {launches}"
     assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), torch.bfloat16)
     monkeypatch.setenv("MOETIDE_LO_CUDA", "0")
     triton_out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
     assert launches == want
     assert_close(out, triton_out, torch.bfloat16)  # the table's tiles may round weights (v1) or not
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int2", "int4", "int2+int4"])
+@pytest.mark.parametrize("num_tokens", [17, 64, 200])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_both_main_loops_equal_the_reference_on_blocks_of_16_and_32_rows(fmt, num_tokens, block_m, monkeypatch):
+    """Blocks of 16 or 32 rows run the tokens as the MMA's rows from TOKENS_AS_ROWS_FROM tokens on, the
+    weight rows below: with the threshold at 0 and at infinity (and int4 on the kernels at every T), each
+    main loop equals the reference, partly filled blocks and a last token tile beyond T included."""
+    fused_moe = gpu_kernel()
+    monkeypatch.setattr(lo_cuda, "MAX_TOKENS", 1 << 30)
+    real_configs, real_launch = fused_moe.pool_configs, lo_cuda.launch
+    monkeypatch.setattr(fused_moe, "pool_configs", lambda *a: [replace(c, block_m=block_m) for c in real_configs(*a)])
+    loops = []
+    monkeypatch.setattr(lo_cuda, "launch", lambda *a, **kw: loops.append(
+        lo_cuda.tokens_as_rows(kw["num_tokens"], kw["block_m"])) or real_launch(*a, **kw))  # fmt: skip
+    hidden, ids, weights, pool_of, slot_of, pools = layer(fmt, num_tokens)
+    want = reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu)
+    for start, tokens_as_rows in ((0, True), (1 << 30, False)):
+        monkeypatch.setattr(lo_cuda, "TOKENS_AS_ROWS_FROM", start)
+        loops.clear()
+        out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+        assert loops == [tokens_as_rows] * 2, (start, loops)
+        assert_close(out, want, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -230,7 +281,7 @@ def test_the_demo_models_greedy_tokens_through_the_cuda_kernels_equal_the_refere
 @pytest.mark.parametrize("policy", ["static-int2", "static-int4"])
 def test_a_prefill_chunk_through_the_cuda_kernels_equals_the_reference_path(policy, monkeypatch):
     """One forward of PREFILL_TOKENS tokens of text (a prefill chunk: the kernels on blocks cut to
-    WIDE_BLOCK_M rows), bf16: the logits agree with the dequantize reference's as in the test above,
+    WIDE_BLOCK_M rows, the tokens as the MMA's rows), bf16: the logits agree with the dequantize reference's as in the test above,
     and every position whose top-2 margin exceeds MARGIN takes the same token."""
     fused_moe = gpu_kernel()
     from transformers import AutoTokenizer
@@ -241,8 +292,8 @@ def test_a_prefill_chunk_through_the_cuda_kernels_equals_the_reference_path(poli
     rows, real = [], lo_cuda.launch
     monkeypatch.setattr(lo_cuda, "launch", lambda *a, **kw: rows.append(kw["block_m"]) or real(*a, **kw))
     text = " ".join([(__doc__ or "") + " " + (fused_moe.__doc__ or "")] * 8)
-    ids = AutoTokenizer.from_pretrained(demo_model_path())(text)["input_ids"][: lo_cuda.PREFILL_TOKENS]
-    assert len(ids) == lo_cuda.PREFILL_TOKENS
+    ids = AutoTokenizer.from_pretrained(demo_model_path())(text)["input_ids"][:PREFILL_TOKENS]
+    assert len(ids) == PREFILL_TOKENS and lo_cuda.tokens_as_rows(PREFILL_TOKENS, lo_cuda.WIDE_BLOCK_M)
     kwargs = dict(device="cuda", dtype="bfloat16", policy=policy, gpu_memory="512MiB")
     forward = torch.tensor([ids], device="cuda")
     got, _ = run_both_kernels(fused_moe, monkeypatch, demo_model_path(), forward, 1, **kwargs)

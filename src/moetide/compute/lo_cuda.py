@@ -1,12 +1,15 @@
 """The lo pool's projections on tensor cores (`csrc/lo_mma.cu`), built once with nvcc, called by ctypes.
 
 `fused_moe` sends a packed pool's gate_up and down launches here (`eligible`) instead of to its
-Triton tiles, for T <= MAX_TOKENS (decode batches) and T >= PREFILL_TOKENS (prefill chunks, on blocks
-of at most WIDE_BLOCK_M rows): the same sorted blocks, scratch h and per-pair y, so the reduce
-and every other pool are unchanged (a pool on its one-launch slices beside it included: the CUDA
-pool's sums fill slice 0 of its pairs' rows). The kernel reads the arena rows as they are; why that
-can use tensor cores is in the source's header. On sm_90 down runs as a programmatic dependent of
-gate_up and the reduce as one of down (`dependent_launches`; MOETIDE_LO_PDL=0 turns that off).
+Triton tiles: an int2 pool at every T, an int4 one (or one with an int4 matrix) for T <= MAX_TOKENS
+(decode batches) and T > TILES_MAX_TOKENS (prefill chunks); on blocks of at most WIDE_BLOCK_M rows,
+the same sorted blocks, scratch h and per-pair y, so the reduce and every other pool are unchanged
+(a pool on its one-launch slices beside it included: the CUDA pool's sums fill slice 0 of its pairs'
+rows). From TOKENS_AS_ROWS_FROM tokens on, blocks of 16 or 32 rows take the kernel's other main loop
+(the tokens as the MMA's rows, `tokens_as_rows` in the source). The kernel reads the arena rows as
+they are; why that can use tensor cores is in the source's header. On sm_90 down runs as a
+programmatic dependent of gate_up and the reduce as one of down (`dependent_launches`;
+MOETIDE_LO_PDL=0 turns that off).
 
 Built on first use for the device's architecture into the cache directory (MOETIDE_KERNEL_CACHE, else
 ~/.cache/moetide/kernels), under a name that hashes the source, the architecture and nvcc's version;
@@ -32,11 +35,12 @@ import torch
 from ..residency.slot_table import MatrixFormat, Pool
 
 SOURCE = Path(__file__).with_name("csrc") / "lo_mma.cu"
-MAX_TOKENS = 32  # up to this many tokens the kernels take the lo pool, and from PREFILL_TOKENS on; between,
-PREFILL_TOKENS = 256  # the Triton dot tiles (a tie at 64 and 128 tokens, int4 faster: BENCHMARKS.md §0o)
+MAX_TOKENS = 32  # up to this many tokens the kernels take an int4 pool, and above TILES_MAX_TOKENS; between,
+TILES_MAX_TOKENS = 128  # the Triton dot tiles (faster for int4 from 33 to 128 tokens: BENCHMARKS.md §0p)
 GROUP_BITS = 256  # a group of a row is 8 int32 words (int2 in groups of 128, int4 in groups of 64)
 BLOCK_MS = (1, 8, 16, 32)  # sorted block sizes the kernel takes (8 * its n8 tiles)
 WIDE_BLOCK_M = 32  # the layer's blocks where the table's tiles have more rows than the kernel takes
+TOKENS_AS_ROWS_FROM = 129  # from this many tokens, blocks of 16 / 32 rows run the tokens as MMA rows
 ROUTING_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -132,10 +136,14 @@ def library(device_index: int):
         print(f"moetide: low-bit CUDA kernels off, the Triton tiles run instead: {error}", file=sys.stderr)
         return None
     lib.moetide_lo_mma.restype = ctypes.c_int
-    lib.moetide_lo_mma.argtypes = [ctypes.POINTER(LoArgs)] + [ctypes.c_int] * 6 + [ctypes.c_void_p]
+    lib.moetide_lo_mma.argtypes = ENTRY_ARGTYPES
     lib.moetide_lo_error.restype = ctypes.c_char_p
     lib.moetide_lo_error.argtypes = [ctypes.c_int]
     return lib
+
+
+# moetide_lo_mma(args, matrices, bits, nt, wk, blocks, dependent, tokens_as_rows, stream)
+ENTRY_ARGTYPES = [ctypes.POINTER(LoArgs)] + [ctypes.c_int] * 7 + [ctypes.c_void_p]
 
 
 def _fits(matrix: MatrixFormat, k: int, n: int, row_bytes: int) -> bool:
@@ -152,7 +160,9 @@ def eligible(pool: Pool, hidden: torch.Tensor, block_m: int, routing_dtype: torc
         return False
     if routing_dtype not in ROUTING_DTYPES:
         return False
-    if not takes_tokens(hidden.shape[0]) or not (f.gate_up.packed and f.down.packed):
+    if not (f.gate_up.packed and f.down.packed):
+        return False
+    if not takes_tokens(hidden.shape[0], max(f.gate_up.bits, f.down.bits)):
         return False
     row_bytes = pool.arena.shape[1]
     if not (_fits(f.gate_up, f.hidden_size, f.intermediate_size, row_bytes)
@@ -161,20 +171,33 @@ def eligible(pool: Pool, hidden: torch.Tensor, block_m: int, routing_dtype: torc
     return library(hidden.device.index) is not None
 
 
-def takes_tokens(num_tokens: int) -> bool:
-    """Whether a layer of `num_tokens` tokens runs its lo pool here: decode batches up to MAX_TOKENS and
-    prefill chunks from PREFILL_TOKENS on (2.0-2.7x faster than the tiles there, BENCHMARKS.md §0o)."""
-    return num_tokens <= MAX_TOKENS or num_tokens >= PREFILL_TOKENS
+def takes_tokens(num_tokens: int, bits: int) -> bool:
+    """Whether a layer of `num_tokens` tokens runs its lo pool here, `bits` its widest matrix's: int2 at
+    every T (faster than the tiles from 33 to 128 tokens too, BENCHMARKS.md §0p); int4 for decode
+    batches up to MAX_TOKENS and above TILES_MAX_TOKENS (2.5x faster than the tiles at 160 and 192
+    tokens, 2.5-2.7x at 256 to 2048, §0p), the tiles between (faster there)."""
+    return bits == 2 or num_tokens <= MAX_TOKENS or num_tokens > TILES_MAX_TOKENS
 
 
 def warps_along_k(num_tokens: int, groups: int, bits: int) -> int:
-    """Warps of a program that split K (the others split N): 4 for int4 up to 32 tokens and for int2 up
-    to 4 tokens, 2 above (the fastest of 1, 2, 4 per cell on the H200, BENCHMARKS.md §0m, §0o); a
-    divisor of the row's `groups`."""
-    wk = 4 if num_tokens <= 4 or bits == 4 and num_tokens <= MAX_TOKENS else 2
+    """Warps of a program that split K (the others split N): 4 for int4 up to MAX_TOKENS tokens and for
+    int2 up to 4 tokens, 2 above; from TOKENS_AS_ROWS_FROM tokens on (the tokens as the MMA's rows) 1,
+    int4 below 512 tokens 2 (the fastest of 1, 2, 4 per cell on the H200, BENCHMARKS.md §0m, §0o, §0p);
+    a divisor of the row's `groups`."""
+    if num_tokens >= TOKENS_AS_ROWS_FROM:
+        wk = 2 if bits == 4 and num_tokens < 512 else 1
+    else:
+        wk = 4 if num_tokens <= 4 or bits == 4 and num_tokens <= MAX_TOKENS else 2
     while groups % wk:
         wk //= 2
     return wk
+
+
+def tokens_as_rows(num_tokens: int, block_m: int) -> bool:
+    """Whether blocks of `block_m` rows of a `num_tokens`-token layer run the main loop that makes 16
+    tokens the MMA's rows and the weight rows its columns (blocks of 16 or 32 rows, from
+    TOKENS_AS_ROWS_FROM tokens on): one unpack of a group's codes per 16 tokens instead of per 8."""
+    return block_m in (16, 32) and num_tokens >= TOKENS_AS_ROWS_FROM
 
 
 def launch(pool: Pool, pool_id: int, matrix: MatrixFormat, *, act: torch.Tensor, out: torch.Tensor,
@@ -184,7 +207,8 @@ def launch(pool: Pool, pool_id: int, matrix: MatrixFormat, *, act: torch.Tensor,
            waits: tuple[torch.Tensor, torch.Tensor] | None = None, dependent: bool = False) -> None:  # fmt: skip
     """One launch over `pool`'s blocks for gate_up (`matrix` is its gate_up: n = I, writes h in act's
     dtype) or down (`routing` given: n = H, writes y float32 per pair; `dependent`: a programmatic
-    dependent launch of the gate_up launch just before it, `dependent_launches`), on the current stream."""
+    dependent launch of the gate_up launch just before it, `dependent_launches`), on the current stream;
+    the tokens as the MMA's rows where `tokens_as_rows`."""
     lib = library(act.device.index)
     arena = pool.arena
     args = LoArgs(
@@ -204,6 +228,6 @@ def launch(pool: Pool, pool_id: int, matrix: MatrixFormat, *, act: torch.Tensor,
     stream = torch.cuda.current_stream(act.device).cuda_stream
     code = lib.moetide_lo_mma(ctypes.byref(args), 1 if routing is not None else 2, matrix.bits, nt,
                               warps_along_k(num_tokens, k // matrix.group_size, matrix.bits), blocks,
-                              int(dependent), stream)  # fmt: skip
+                              int(dependent), int(tokens_as_rows(num_tokens, block_m)), stream)  # fmt: skip
     if code != 0:
         raise RuntimeError(f"lo_mma launch failed: {lib.moetide_lo_error(code).decode()}")

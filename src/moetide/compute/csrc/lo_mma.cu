@@ -11,8 +11,9 @@
 // (operand B) follow the same order. A group is 256 bits of a row (int2 in groups of 128 codes, int4
 // in groups of 64: 8 words); lane t of a quad (lane % 4) loads words 2t and 2t + 1 of it, for rows g
 // and g + 8 (g = lane / 4), and its A fragment slots (2t, 2t+1), (2t+8, 2t+9) of each k16 tile are
-// codes of those words only: one shift and one LOP3 put two codes that lie 16 bits apart into the
-// halves of a register, each ORed into the mantissa of 128 (bf16 0x4300 | code is 128 + code, exact):
+// codes of those words only: one shift and one LOP3 (int4: two) put two codes that lie 16 bits apart
+// into the halves of a register, each ORed into the mantissa of 128 (bf16 0x4300 | code is 128 + code,
+// exact):
 //   int2 (tile q of 8, s = q % 4, word q / 4): slots (2t, 2t+1) <- codes (2s, 2s+8),
 //        (2t+8, 2t+9) <- codes (2s+1, 2s+9)
 //   int4 (tile q of 4, s = q % 2, word q / 2): slots (2t, 2t+1) <- codes (2s, 2s+4),
@@ -24,7 +25,9 @@
 //   a . w = s * D + (o - 128 s) * X,
 // applied in float32 to the group's partial sums (the Triton v4 / v5 products' algebra): no weight
 // is rounded, the products are exact and summed in float32. The next group's words and scales are
-// loaded while one computes.
+// loaded while one computes. Two main loops: the weight rows as the MMA's rows and the tokens as its
+// n8 columns (`weights_as_rows`), or, for blocks of 16 or 32 token rows, the tokens as its rows and
+// the same registers as B (`tokens_as_rows`: an unpack per 16 tokens; `lo_cuda.tokens_as_rows`).
 //
 // Grid (blocks, N / (16 * WN)), 32 * WK * WN threads: program (block b of up to 8 * NT token rows
 // of one expert, 16 * WN output rows); warp (wk, wn) computes rows 16 * wn .. + 16 of the
@@ -97,8 +100,18 @@ __device__ __forceinline__ void wait_for_the_grid_before() {
 #endif
 }
 
+// (shifted & mask) | magic. The compiler emits that as two LOP3s (an instruction takes one immediate);
+// int2 has it as one, with both constants in registers (3-5 % faster per int2 layer on the H200;
+// int4 was 3-4 % slower that way up to 32 tokens, BENCHMARKS.md §0p).
+template <int BITS>
 __device__ __forceinline__ uint32_t pair_codes(uint32_t shifted, uint32_t mask) {
-    return (shifted & mask) | kMagic;  // one LOP3
+    if constexpr (BITS == 2) {
+        uint32_t codes;
+        asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(codes) : "r"(shifted), "r"(mask), "r"(kMagic));
+        return codes;
+    } else {
+        return (shifted & mask) | kMagic;
+    }
 }
 
 // One group of one row as lane t of a quad holds it: words 2t, 2t + 1 of the group's 8 (a group is
@@ -122,10 +135,10 @@ __device__ __forceinline__ void a_fragment(uint32_t (&a)[4], const GroupWords& w
     constexpr uint32_t m = BITS == 2 ? 0x00030003u : 0x000F000Fu;
     const int word = q / kTilesPerWord<BITS>, shift = 2 * BITS * (q % kTilesPerWord<BITS>);
     const uint32_t w0 = word_of(w.lo, word), w1 = word_of(w.hi, word);
-    a[0] = pair_codes(w0 >> shift, m);
-    a[2] = pair_codes(w0 >> (shift + BITS), m);
-    a[1] = pair_codes(w1 >> shift, m);
-    a[3] = pair_codes(w1 >> (shift + BITS), m);
+    a[0] = pair_codes<BITS>(w0 >> shift, m);
+    a[2] = pair_codes<BITS>(w0 >> (shift + BITS), m);
+    a[1] = pair_codes<BITS>(w1 >> shift, m);
+    a[3] = pair_codes<BITS>(w1 >> (shift + BITS), m);
 }
 
 // Lane t's activations of one group for one token: the 2 * 32 / BITS codes its two words hold
@@ -173,6 +186,173 @@ __device__ __forceinline__ long long h_row(const LoArgs& a, int b, int c) {
     return a.one_pair ? (long long)b : (long long)b * a.block_m + c;
 }
 
+// k16 tiles of a group (256 bits of a row): int2 8, int4 4.
+template <int BITS>
+constexpr int kTilesPerGroup = BITS == 2 ? 8 : 4;
+
+// The group's sums into the accumulators, in float32: s D + (o - 128 s) X.
+__device__ __forceinline__ float scaled(float acc, float part, float xsum, float s, float o) {
+    return fmaf(s, part, fmaf(o - 128.f * s, xsum, acc));
+}
+
+// The main loop with the weight rows as MMA rows (operand A, 16 rows) and the tokens as its columns
+// (B, n8 tiles): acc[m][j][i] is (row n0 + g + 8 (i / 2), token 8 j + 2 t + i % 2). Each token tile
+// unpacks the group's codes again and takes an MMA of ones; the layout for blocks of at most 8 tokens.
+template <int BITS, int NM, int NT>
+__device__ __forceinline__ void weights_as_rows(float (&acc)[NM][NT][4], const LoArgs& a,
+                                                const uint2* const (&rows)[NM][2], const __half* params,
+                                                const __nv_bfloat16* const (&x_rows)[NT], int n0, int g, int t,
+                                                int g_begin, int g_end, int nt_used) {
+    const int groups_per_row = a.K / a.group;
+    const __half* scales[NM][2];
+    const __half* offsets[NM][2];
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const long long r = (long long)(m * a.N + n0 + g + 8 * h) * groups_per_row;
+            scales[m][h] = params + a.scale_off + r;
+            offsets[m][h] = params + a.offset_off + r;
+        }
+    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+    GroupWords cur[NM], nxt[NM];
+    __half s_cur[NM][2], o_cur[NM][2], s_nxt[NM][2], o_nxt[NM][2];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+        cur[m].lo = __ldg(rows[m][0] + g_begin * 4), cur[m].hi = __ldg(rows[m][1] + g_begin * 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) s_cur[m][h] = scales[m][h][g_begin], o_cur[m][h] = offsets[m][h][g_begin];
+    }
+    if constexpr (NM == 1) wait_for_the_grid_before();  // h: gate_up's output
+    for (int gi = g_begin; gi < g_end; ++gi) {
+        if (gi + 1 < g_end) {  // the next group's words and scales in flight while this one computes
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+                nxt[m].lo = __ldg(rows[m][0] + (gi + 1) * 4), nxt[m].hi = __ldg(rows[m][1] + (gi + 1) * 4);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) s_nxt[m][h] = scales[m][h][gi + 1], o_nxt[m][h] = offsets[m][h][gi + 1];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            if (j >= nt_used) continue;
+            GroupActs<BITS> x;
+            load_acts<BITS>(x, x_rows[j] + (long long)gi * a.group, t);
+            float part[NM][4] = {}, xsum[4] = {};
+#pragma unroll
+            for (int q = 0; q < kTilesPerGroup<BITS>; ++q) {
+                uint32_t b0, b1;
+                b_fragment<BITS>(b0, b1, x, q);
+                mma(xsum, ones, b0, b1);
+#pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    uint32_t af[4];
+                    a_fragment<BITS>(af, cur[m], q);
+                    mma(part[m], af, b0, b1);
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {  // rows g (i = 0, 1) and g + 8 (i = 2, 3)
+                const float s0 = __half2float(s_cur[m][0]), s1 = __half2float(s_cur[m][1]);
+                const float o0 = __half2float(o_cur[m][0]), o1 = __half2float(o_cur[m][1]);
+                acc[m][j][0] = scaled(acc[m][j][0], part[m][0], xsum[0], s0, o0);
+                acc[m][j][1] = scaled(acc[m][j][1], part[m][1], xsum[1], s0, o0);
+                acc[m][j][2] = scaled(acc[m][j][2], part[m][2], xsum[2], s1, o1);
+                acc[m][j][3] = scaled(acc[m][j][3], part[m][3], xsum[3], s1, o1);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            cur[m] = nxt[m];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) s_cur[m][h] = s_nxt[m][h], o_cur[m][h] = o_nxt[m][h];
+        }
+    }
+}
+
+// The main loop with the tokens as MMA rows (operand A: token tiles 2 jj and 2 jj + 1 of the block, 16
+// tokens, their B fragments of `weights_as_rows` as its registers) and the weight rows as its columns
+// (B: rows n0 + g and n0 + 8 + g, the A fragment's registers 0, 2 and 1, 3). A group's codes are
+// unpacked once per 16 tokens instead of per 8, and the ones' MMA (X, the same for every column) once
+// per 16 too. acc[m][2 jj + h][i] is (token 16 jj + g + 8 (i / 2), row n0 + 8 h + 2 t + i % 2), so a
+// lane scales rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of the warp's 16 (r = 2 h + i % 2). Scales are read
+// per group from L1 (a row's scales for all its groups are one 32-byte sector).
+template <int BITS, int NM, int NT>
+__device__ __forceinline__ void tokens_as_rows(float (&acc)[NM][NT][4], const LoArgs& a,
+                                               const uint2* const (&rows)[NM][2], const __half* params,
+                                               const __nv_bfloat16* const (&x_rows)[NT], int n0, int t,
+                                               int g_begin, int g_end, int nt_used) {
+    static_assert(NT % 2 == 0, "tokens as rows takes 16-token tiles");
+    const int groups_per_row = a.K / a.group;
+    const __half* scales[NM];  // row n0 + 2t of matrix m; the lane's rows r are + (r / 2) 8 + r % 2
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+        scales[m] = params + a.scale_off + (long long)(m * a.N + n0 + 2 * t) * groups_per_row;
+    const long long to_offsets = a.offset_off - a.scale_off;
+    GroupWords cur[NM], nxt[NM];
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+        cur[m].lo = __ldg(rows[m][0] + g_begin * 4), cur[m].hi = __ldg(rows[m][1] + g_begin * 4);
+    if constexpr (NM == 1) wait_for_the_grid_before();  // h: gate_up's output
+    for (int gi = g_begin; gi < g_end; ++gi) {
+        if (gi + 1 < g_end) {  // the next group's words in flight while this one computes
+#pragma unroll
+            for (int m = 0; m < NM; ++m)
+                nxt[m].lo = __ldg(rows[m][0] + (gi + 1) * 4), nxt[m].hi = __ldg(rows[m][1] + (gi + 1) * 4);
+        }
+        float s[NM][4], o[NM][4];
+#pragma unroll
+        for (int m = 0; m < NM; ++m)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const __half* p = scales[m] + (long long)((r / 2) * 8 + r % 2) * groups_per_row + gi;
+                s[m][r] = __half2float(p[0]), o[m][r] = __half2float(p[to_offsets]);
+            }
+#pragma unroll
+        for (int jj = 0; jj < NT / 2; ++jj) {
+            if (2 * jj >= nt_used) continue;
+            GroupActs<BITS> x0, x1;  // tokens 16 jj + g and 16 jj + 8 + g
+            load_acts<BITS>(x0, x_rows[2 * jj] + (long long)gi * a.group, t);
+            load_acts<BITS>(x1, x_rows[2 * jj + 1] + (long long)gi * a.group, t);
+            float part[NM][2][4] = {}, xsum[4] = {};
+#pragma unroll
+            for (int q = 0; q < kTilesPerGroup<BITS>; ++q) {
+                uint32_t act[4];
+                b_fragment<BITS>(act[0], act[2], x0, q);
+                b_fragment<BITS>(act[1], act[3], x1, q);
+                mma(xsum, act, kOnes, kOnes);
+#pragma unroll
+                for (int m = 0; m < NM; ++m) {
+                    uint32_t w[4];
+                    a_fragment<BITS>(w, cur[m], q);
+                    mma(part[m][0], act, w[0], w[2]);
+                    mma(part[m][1], act, w[1], w[3]);
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < NM; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        float& sum = acc[m][2 * jj + h][i];
+                        sum = scaled(sum, part[m][h][i], xsum[i], s[m][2 * h + i % 2], o[m][2 * h + i % 2]);
+                    }
+        }
+#pragma unroll
+        for (int m = 0; m < NM; ++m) cur[m] = nxt[m];
+    }
+}
+
+// The (token column, output row) of accumulator i of token tile j (see the two main loops).
+template <bool TOKENS_AS_ROWS>
+__device__ __forceinline__ void cell_of(int j, int i, int n0, int g, int t, int& col, int& row) {
+    if constexpr (TOKENS_AS_ROWS)
+        col = 16 * (j / 2) + g + 8 * (i / 2), row = n0 + 8 * (j % 2) + 2 * t + i % 2;
+    else
+        col = 8 * j + 2 * t + i % 2, row = n0 + g + 8 * (i / 2);
+}
+
 }  // namespace
 
 // Programs of 128 threads an SM keeps resident: down at one token tile 8 (at most 64 registers: at
@@ -183,7 +363,7 @@ constexpr int kMinPrograms = NM == 1 && NT == 1 ? 8 : 1;
 // NM matrices (1: down, 2: gate_up), NT n8 tiles of tokens, WK x WN warps. Down (NM 1) may run as a
 // programmatic dependent of gate_up: it finds its rows, starts their loads and waits for h only then
 // (`wait_for_the_grid_before`); it writes nothing before that wait.
-template <int BITS, int NM, int NT, int WK, int WN>
+template <int BITS, int NM, int NT, int WK, int WN, bool TOKENS_AS_ROWS>
 __global__ void __launch_bounds__(32 * WK * WN, (kMinPrograms<NM, NT>)) lo_mma_kernel(const LoArgs a) {
     launch_dependents();
     const int b = blockIdx.x;
@@ -232,16 +412,12 @@ __global__ void __launch_bounds__(32 * WK * WN, (kMinPrograms<NM, NT>)) lo_mma_k
     }
     const __half* params = reinterpret_cast<const __half*>(a.arena + slot * a.row_bytes);
     const int groups_per_row = a.K / a.group;
-    const __half* scales[NM][2];
-    const __half* offsets[NM][2];
+    const int per_warp = groups_per_row / WK, g_begin = wk * per_warp, g_end = g_begin + per_warp;
+    for (int gi = g_begin + 1; gi < g_end; ++gi)  // the warp's later groups on their way to L2 now
 #pragma unroll
-    for (int m = 0; m < NM; ++m)
+        for (int m = 0; m < NM; ++m)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const long long r = (long long)(m * a.N + n0 + g + 8 * h) * groups_per_row;
-            scales[m][h] = params + a.scale_off + r;
-            offsets[m][h] = params + a.offset_off + r;
-        }
+            for (int h = 0; h < 2; ++h) asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[m][h] + gi * 4));
 
     float acc[NM][NT][4];
 #pragma unroll
@@ -250,69 +426,10 @@ __global__ void __launch_bounds__(32 * WK * WN, (kMinPrograms<NM, NT>)) lo_mma_k
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
-    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
-    constexpr int kTiles = BITS == 2 ? 8 : 4;  // k16 tiles of a group
-
-    const int per_warp = groups_per_row / WK, g_begin = wk * per_warp, g_end = g_begin + per_warp;
-    for (int gi = g_begin + 1; gi < g_end; ++gi)  // the warp's later groups on their way to L2 now
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[m][h] + gi * 4));
-    GroupWords cur[NM], nxt[NM];
-    __half s_cur[NM][2], o_cur[NM][2], s_nxt[NM][2], o_nxt[NM][2];
-#pragma unroll
-    for (int m = 0; m < NM; ++m) {
-        cur[m].lo = __ldg(rows[m][0] + g_begin * 4), cur[m].hi = __ldg(rows[m][1] + g_begin * 4);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) s_cur[m][h] = scales[m][h][g_begin], o_cur[m][h] = offsets[m][h][g_begin];
-    }
-    if constexpr (NM == 1) wait_for_the_grid_before();  // h: gate_up's output
-    for (int gi = g_begin; gi < g_end; ++gi) {
-        if (gi + 1 < g_end) {  // the next group's words and scales in flight while this one computes
-#pragma unroll
-            for (int m = 0; m < NM; ++m) {
-                nxt[m].lo = __ldg(rows[m][0] + (gi + 1) * 4), nxt[m].hi = __ldg(rows[m][1] + (gi + 1) * 4);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) s_nxt[m][h] = scales[m][h][gi + 1], o_nxt[m][h] = offsets[m][h][gi + 1];
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            if (j >= nt_used) continue;
-            GroupActs<BITS> x;
-            load_acts<BITS>(x, x_rows[j] + (long long)gi * a.group, t);
-            float part[NM][4] = {}, xsum[4] = {};
-#pragma unroll
-            for (int q = 0; q < kTiles; ++q) {
-                uint32_t b0, b1;
-                b_fragment<BITS>(b0, b1, x, q);
-                mma(xsum, ones, b0, b1);
-#pragma unroll
-                for (int m = 0; m < NM; ++m) {
-                    uint32_t af[4];
-                    a_fragment<BITS>(af, cur[m], q);
-                    mma(part[m], af, b0, b1);
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < NM; ++m) {  // the group's scales, in float32: s D + (o - 128 s) X
-                const float s0 = __half2float(s_cur[m][0]), s1 = __half2float(s_cur[m][1]);
-                const float o0 = __half2float(o_cur[m][0]) - 128.f * s0;
-                const float o1 = __half2float(o_cur[m][1]) - 128.f * s1;
-                acc[m][j][0] = fmaf(s0, part[m][0], fmaf(o0, xsum[0], acc[m][j][0]));
-                acc[m][j][1] = fmaf(s0, part[m][1], fmaf(o0, xsum[1], acc[m][j][1]));
-                acc[m][j][2] = fmaf(s1, part[m][2], fmaf(o1, xsum[2], acc[m][j][2]));
-                acc[m][j][3] = fmaf(s1, part[m][3], fmaf(o1, xsum[3], acc[m][j][3]));
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < NM; ++m) {
-            cur[m] = nxt[m];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) s_cur[m][h] = s_nxt[m][h], o_cur[m][h] = o_nxt[m][h];
-        }
-    }
+    if constexpr (TOKENS_AS_ROWS)
+        tokens_as_rows<BITS, NM, NT>(acc, a, rows, params, x_rows, n0, t, g_begin, g_end, nt_used);
+    else
+        weights_as_rows<BITS, NM, NT>(acc, a, rows, params, x_rows, n0, g, t, g_begin, g_end, nt_used);
 
     if constexpr (WK > 1) {  // the K parts' sums, through shared memory, into the wk = 0 warps
         constexpr int kVals = NM * NT * 4;
@@ -342,23 +459,21 @@ __global__ void __launch_bounds__(32 * WK * WN, (kMinPrograms<NM, NT>)) lo_mma_k
 
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-        if (j >= nt_used) continue;
+        if ((TOKENS_AS_ROWS ? j & ~1 : j) >= nt_used) continue;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {  // token columns 8j + 2t + e
-            const int col = 8 * j + 2 * t + e, pair = column_pair(a, b, col);
+        for (int i = 0; i < 4; ++i) {
+            int col, row;
+            cell_of<TOKENS_AS_ROWS>(j, i, n0, g, t, col, row);
+            const int pair = column_pair(a, b, col);
             if (pair >= a.num_pairs) continue;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {  // rows g, g + 8
-                const int row = n0 + g + 8 * half, i = 2 * half + e;
-                if constexpr (NM == 2) {
-                    const float gate = acc[0][j][i], up = acc[1][j][i];
-                    const float h = gate / (1.f + __expf(-gate)) * up;
-                    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(a.out);
-                    out[h_row(a, b, col) * a.out_stride + row] = __float2bfloat16(h);
-                } else {
-                    float* out = reinterpret_cast<float*>(a.out);
-                    out[(long long)pair * a.out_stride + row] = acc[0][j][i] * routing_weight(a, pair);
-                }
+            if constexpr (NM == 2) {
+                const float gate = acc[0][j][i], up = acc[1][j][i];
+                const float h = gate / (1.f + __expf(-gate)) * up;
+                __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(a.out);
+                out[h_row(a, b, col) * a.out_stride + row] = __float2bfloat16(h);
+            } else {
+                float* out = reinterpret_cast<float*>(a.out);
+                out[(long long)pair * a.out_stride + row] = acc[0][j][i] * routing_weight(a, pair);
             }
         }
     }
@@ -372,7 +487,7 @@ struct Launch {
     cudaStream_t stream;
 };
 
-template <int BITS, int NM, int NT, int WK, int WN>
+template <int BITS, int NM, int NT, int WK, int WN, bool TOKENS_AS_ROWS>
 cudaError_t launch(const LoArgs& a, const Launch& l) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(l.blocks, a.N / (16 * WN));
@@ -383,21 +498,28 @@ cudaError_t launch(const LoArgs& a, const Launch& l) {
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
     config.numAttrs = l.dependent ? 1 : 0;
-    return cudaLaunchKernelEx(&config, lo_mma_kernel<BITS, NM, NT, WK, WN>, a);
+    return cudaLaunchKernelEx(&config, lo_mma_kernel<BITS, NM, NT, WK, WN, TOKENS_AS_ROWS>, a);
 }
 
-template <int BITS, int NM, int NT>
+template <int BITS, int NM, int NT, bool TOKENS_AS_ROWS = false>
 cudaError_t by_warps(const LoArgs& a, const Launch& l, int wk) {
     switch (wk) {
-        case 1: return launch<BITS, NM, NT, 1, 4>(a, l);
-        case 2: return launch<BITS, NM, NT, 2, 2>(a, l);
-        case 4: return launch<BITS, NM, NT, 4, 1>(a, l);
+        case 1: return launch<BITS, NM, NT, 1, 4, TOKENS_AS_ROWS>(a, l);
+        case 2: return launch<BITS, NM, NT, 2, 2, TOKENS_AS_ROWS>(a, l);
+        case 4: return launch<BITS, NM, NT, 4, 1, TOKENS_AS_ROWS>(a, l);
         default: return cudaErrorInvalidValue;
     }
 }
 
 template <int BITS, int NM>
-cudaError_t by_tokens(const LoArgs& a, const Launch& l, int nt, int wk) {
+cudaError_t by_tokens(const LoArgs& a, const Launch& l, int nt, int wk, bool tokens_as_rows) {
+    if (tokens_as_rows) {  // 16-token tiles: blocks of 16 or 32 rows
+        switch (nt) {
+            case 2: return by_warps<BITS, NM, 2, true>(a, l, wk);
+            case 4: return by_warps<BITS, NM, 4, true>(a, l, wk);
+            default: return cudaErrorInvalidValue;
+        }
+    }
     switch (nt) {
         case 1: return by_warps<BITS, NM, 1>(a, l, wk);
         case 2: return by_warps<BITS, NM, 2>(a, l, wk);
@@ -410,14 +532,16 @@ cudaError_t by_tokens(const LoArgs& a, const Launch& l, int nt, int wk) {
 
 // matrices 2: gate_up, 1: down; nt n8 token tiles (>= block_m / 8); wk warps along K (1, 2, 4; the
 // other 4 / wk along N); dependent: down as a programmatic dependent launch of the kernel before it
-// (sm_90+). Returns the launch's cudaError_t (0: launched).
+// (sm_90+); tokens_as_rows: the main loop of `tokens_as_rows` (nt 2 or 4), else `weights_as_rows`.
+// Returns the launch's cudaError_t (0: launched).
 extern "C" int moetide_lo_mma(const LoArgs* args, int matrices, int bits, int nt, int wk, int blocks,
-                              int dependent, void* stream) {
+                              int dependent, int tokens_as_rows, void* stream) {
     const LoArgs& a = *args;
     const Launch l{blocks, dependent != 0 && matrices == 1, reinterpret_cast<cudaStream_t>(stream)};
     if (blocks <= 0) return 0;
-    if (bits == 2) return matrices == 2 ? by_tokens<2, 2>(a, l, nt, wk) : by_tokens<2, 1>(a, l, nt, wk);
-    if (bits == 4) return matrices == 2 ? by_tokens<4, 2>(a, l, nt, wk) : by_tokens<4, 1>(a, l, nt, wk);
+    const bool rows = tokens_as_rows != 0;
+    if (bits == 2) return matrices == 2 ? by_tokens<2, 2>(a, l, nt, wk, rows) : by_tokens<2, 1>(a, l, nt, wk, rows);
+    if (bits == 4) return matrices == 2 ? by_tokens<4, 2>(a, l, nt, wk, rows) : by_tokens<4, 1>(a, l, nt, wk, rows);
     return cudaErrorInvalidValue;
 }
 
