@@ -15,8 +15,9 @@ is its time over the roofline; the target `lo_kernel_vs_hbm_roofline_worst` is t
 
 `--pdl-ab` also times the CUDA kernels with down launched plainly (MOETIDE_LO_PDL=0, `cuda_plain_us`);
 `--kernels` adds each path's kernels from the CUDA profiler (`kernels_*`, mean device µs per call);
-`--against-source FILE` also times the CUDA kernels built from another lo_mma.cu
-(`cuda_other_source_us`); a warps-along-K value "4/2" gives gate_up's and down's; `--mixed N` adds,
+`--against-source FILE[,FILE...]` also times the CUDA kernels built from other lo_mma.cu sources
+(`cuda_other_source_us`, one per file name where several); a warps-along-K value "4/2" gives gate_up's
+and down's; `--mixed N` adds,
 per cell, the layer that `combined` runs: the N most-routed experts in bf16 hi slots beside the lo
 rows (`tune_mixed_pools.mixed_inputs`), on both paths, and the lo rows alone. `--chain N` also times
 each cell per layer of N in one graph, each layer on its own copy of the rows (`time_layer`'s `copies`:
@@ -24,7 +25,9 @@ a decode step's layers in a row, without a graph launch per layer): `chain_engin
 `chain_vs_roofline`. `--rows-ab` also times the CUDA kernels with every block of 16 / 32 rows on each
 main loop (`cuda_tokens_as_rows_us`, `cuda_weights_as_rows_us`: `lo_cuda.tokens_as_rows` from 0 tokens,
 or never). `--max-tokens` / `--wide-block-m` / `--tokens-as-rows-from` set `lo_cuda.MAX_TOKENS` /
-`WIDE_BLOCK_M` / `TOKENS_AS_ROWS_FROM` for the run.
+`WIDE_BLOCK_M` / `TOKENS_AS_ROWS_FROM` for the run. `--floor` also times, in the same harness, what
+no layer can beat: one kernel that only reads every used expert's row once (`floor_read_us`, wide loads,
+nothing computed) and a graph of one empty kernel (`floor_launch_us`, what a graph replay costs by itself).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_fused_layer import kernel_times  # noqa: E402
@@ -49,7 +54,46 @@ from moetide.compute import lo_cuda  # noqa: E402
 from moetide.compute.expert_compute import reference_moe  # noqa: E402
 
 AUTO_WARPS = lo_cuda.warps_along_k
-OWN_SOURCE = lo_cuda.SOURCE
+
+
+@triton.jit
+def _read_rows_kernel(arena_ptr, slots_ptr, out_ptr, row_words, BLOCK: tl.constexpr):
+    """Program (u, c) reads words c * BLOCK .. of used expert u's row and stores their XOR (a value
+    that depends on every word, so no load is dropped)."""
+    slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    words = tl.load(arena_ptr + slot * row_words + offs, mask=offs < row_words, other=0)
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.xor_sum(words, axis=0))
+
+
+@triton.jit
+def _nothing_kernel(out_ptr):
+    tl.store(out_ptr, 0)
+
+
+def floor_times(pool, ids) -> dict:
+    """The floors of a layer in the layer's harness (a graph replay, L2 flushed between replays): one
+    kernel reading each used expert's row once, and a graph of one empty kernel."""
+    import triton.testing
+
+    slots = torch.unique(ids).to(torch.int32)  # the bench's slot table is the identity
+    words = pool.arena.view(torch.int32)
+    row_words, block = words.shape[1], 8192
+    chunks = triton.cdiv(row_words, block)
+    out = torch.empty(slots.numel() * chunks, dtype=torch.int32, device=words.device)
+    calls = {"floor_read_us": lambda: _read_rows_kernel[(slots.numel(), chunks)](words, slots, out, row_words,
+                                                                                    BLOCK=block, num_warps=8),
+             "floor_launch_us": lambda: _nothing_kernel[(1,)](out)}  # fmt: skip
+    times = {}
+    for name, call in calls.items():
+        call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
+        times[name] = round(ms * 1000, 2)
+    return times
 
 
 def warps_rule(warps: str, hidden: int):
@@ -73,8 +117,7 @@ def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool 
     os.environ["MOETIDE_LO_PDL"] = "1" if pdl else "0"
     lo_cuda.warps_along_k = warps_rule(warps, inputs[0].shape[1])
     if source is not None:
-        lo_cuda.SOURCE = Path(source)
-        lo_cuda.library.cache_clear()
+        os.environ["MOETIDE_LO_SOURCE"] = str(source)
     try:
         return kernel_times(pool, inputs, 20) if profile else time_layer(pool, inputs, None, None, copies)
     finally:
@@ -82,9 +125,7 @@ def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool 
         lo_cuda.TOKENS_AS_ROWS_FROM = own_from
         os.environ.pop("MOETIDE_LO_CUDA", None)
         os.environ.pop("MOETIDE_LO_PDL", None)
-        if source is not None:
-            lo_cuda.SOURCE = OWN_SOURCE
-            lo_cuda.library.cache_clear()
+        os.environ.pop("MOETIDE_LO_SOURCE", None)
 
 
 def mixed_cell(lo, fmt: str, t: int, shape: tuple, hi_experts: int, reps: int, kernels: bool = False) -> dict:
@@ -111,7 +152,7 @@ def mixed_cell(lo, fmt: str, t: int, shape: tuple, hi_experts: int, reps: int, k
 
 def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pdl_ab: bool = False,
          kernels: bool = False, against: str | None = None, chain: int = 0,
-         rows_ab: bool = False) -> dict:  # fmt: skip
+         rows_ab: bool = False, floor: bool = False) -> dict:  # fmt: skip
     hidden, inter, experts, top_k = shape
     inputs = layer_inputs(t, hidden, experts, top_k)
     x, ids, weights, pool_of, slot_of = inputs
@@ -120,7 +161,9 @@ def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pd
     row = {"format": fmt, "tokens": t, "roofline_us": round(roof_us, 2),
            "eligible": lo_cuda.eligible(pool, x, 1, weights.dtype)}  # fmt: skip
     triton_times, cuda_times = [], {w: [] for w in warps_k}
-    plain_times, other_times = [], []
+    plain_times = []
+    others = against.split(",") if against else []
+    other_times = {path: [] for path in others}
     orientations = {"tokens_as_rows": 0, "weights_as_rows": 1 << 30} if rows_ab else {}
     orientation_times = {k: [] for k in orientations}
     for _ in range(reps):
@@ -133,10 +176,10 @@ def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pd
             row[f"err_cuda_wk{w}"] = rel_err(out, ref)
         if pdl_ab:
             plain_times.append(timed(pool, inputs, True, "auto", pdl=False)[0])
-        if against:
-            us, out = timed(pool, inputs, True, "auto", source=against)
-            other_times.append(us)
-            row["err_cuda_other_source"] = rel_err(out, ref)
+        for path in others:
+            us, out = timed(pool, inputs, True, "auto", source=path)
+            other_times[path].append(us)
+            row[f"err_cuda_{Path(path).stem}"] = rel_err(out, ref)
         for name, start in orientations.items():
             us, out = timed(pool, inputs, True, "auto", tokens_as_rows_from=start)
             orientation_times[name].append(us)
@@ -144,8 +187,11 @@ def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pd
     row.update({f"cuda_{k}_us": round(statistics.median(v), 2) for k, v in orientation_times.items()})
     if plain_times:
         row["cuda_plain_us"] = round(statistics.median(plain_times), 2)
-    if other_times:
-        row["cuda_other_source_us"] = round(statistics.median(other_times), 2)
+    if len(others) == 1:
+        row["cuda_other_source_us"] = round(statistics.median(other_times[others[0]]), 2)
+    elif others:
+        row["cuda_other_source_us"] = {Path(p).stem: round(statistics.median(v), 2)
+                                       for p, v in other_times.items()}  # fmt: skip
     if kernels:
         row["kernels_triton"] = timed(pool, inputs, False, "auto", profile=True)
         row["kernels_cuda"] = timed(pool, inputs, True, "auto", profile=True)
@@ -158,6 +204,9 @@ def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pd
     row.update(engine_us=engine_us, vs_roofline=round(engine_us / roof_us, 2),
                triton_vs_roofline=round(row["triton_us"] / roof_us, 2),
                speedup_vs_triton=round(row["triton_us"] / engine_us, 3))  # fmt: skip
+    if floor:
+        row.update(floor_times(pool, ids))
+        row["floor_read_vs_roofline"] = round(row["floor_read_us"] / roof_us, 2)
     if chain > 1:  # per layer of `chain` in one graph, each on its own rows: the engine's path and the tiles
         runs = {"engine": [], "triton": []}
         for _ in range(reps):
@@ -180,7 +229,8 @@ def main() -> int:
     ap.add_argument("--pdl-ab", action="store_true", help="also time the CUDA kernels with MOETIDE_LO_PDL=0")
     ap.add_argument("--kernels", action="store_true", help="each path's kernels from the CUDA profiler")
     ap.add_argument("--mixed", type=int, default=0, help="also time the layer with N bf16 hi experts beside")
-    ap.add_argument("--against-source", default=None, help="also time the CUDA kernels built from this lo_mma.cu")
+    ap.add_argument("--against-source", default=None,
+                    help="also time the CUDA kernels of these lo_mma.cu sources (comma-separated)")  # fmt: skip
     ap.add_argument("--chain", type=int, default=0, help="also time each cell per layer of N in one graph")
     ap.add_argument("--max-tokens", type=int, default=lo_cuda.MAX_TOKENS, help="lo_cuda.MAX_TOKENS for the run")
     ap.add_argument("--wide-block-m", type=int, default=lo_cuda.WIDE_BLOCK_M, choices=(16, 32),
@@ -188,6 +238,7 @@ def main() -> int:
     ap.add_argument("--tokens-as-rows-from", type=int, default=lo_cuda.TOKENS_AS_ROWS_FROM,
                     help="lo_cuda.TOKENS_AS_ROWS_FROM for the run")  # fmt: skip
     ap.add_argument("--rows-ab", action="store_true", help="also time both main loops of the CUDA kernels")
+    ap.add_argument("--floor", action="store_true", help="also time a read-only kernel of the layer's bytes")
     args = ap.parse_args()
     lo_cuda.MAX_TOKENS, lo_cuda.WIDE_BLOCK_M = args.max_tokens, args.wide_block_m
     lo_cuda.TOKENS_AS_ROWS_FROM = args.tokens_as_rows_from
@@ -199,14 +250,15 @@ def main() -> int:
         pool = make_pool(fmt, *shape[:3])  # the same rows for every T
         for t in [int(v) for v in args.tokens.split(",")]:
             row = cell(pool, fmt, t, shape, args.warps_k.split(","), args.reps, args.pdl_ab, args.kernels,
-                       args.against_source, args.chain, args.rows_ab)
+                       args.against_source, args.chain, args.rows_ab, args.floor)
             rows.append(row)
             print(f"{fmt:6s} T={t:5d} roofline {row['roofline_us']:7.1f} us | triton {row['triton_us']:7.1f} "
                   f"({row['triton_vs_roofline']:.2f}x) | cuda {row['cuda_us']} -> engine {row['engine_us']:.1f} "
                   f"({row['vs_roofline']:.2f}x) | err triton {row['err_triton']:.1e} cuda "
                   f"{row.get('err_cuda_wkauto', float('nan')):.1e}", flush=True)  # fmt: skip
-            if args.pdl_ab or args.kernels or args.against_source or args.rows_ab:
-                extra = ("kernels_", "cuda_plain", "cuda_other", "cuda_tokens_as", "cuda_weights_as")
+            if args.pdl_ab or args.kernels or args.against_source or args.rows_ab or args.floor or args.chain:
+                extra = ("kernels_", "cuda_plain", "cuda_other", "cuda_tokens_as", "cuda_weights_as", "floor",
+                         "chain")  # fmt: skip
                 print({k: v for k, v in row.items() if k.startswith(extra)}, flush=True)
             if args.mixed:
                 mixed = mixed_cell(pool, fmt, t, shape, args.mixed, args.reps, args.kernels)

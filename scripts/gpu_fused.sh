@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the fused MoE path: its tests, the per-layer kernel timings (and tuning),
 # then decode tok/s and prefill TTFT against transformers' static-cache generate. Steps named in $@:
-#   tests gputests tune retune cells mixed layer bench zerocopy decode qwen15 quant searcher trace
+#   tests gputests tune retune cells mixed layer lopipe bench zerocopy decode qwen15 quant searcher trace
 # (no openai/pydantic on the GPU image: the server tests stay on the CPU)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
@@ -46,6 +46,15 @@ for step in "$@"; do
            [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" src/moetide/compute/ ;;
     layer) timeout $(T 120) python3 scripts/profile_fused_layer.py --out "$OUT/layer_kernels.json" --tokens 1,8,32,128 \
              --formats ${LAYER_FORMATS:-int2,int4,bfloat16} 2>&1 | tail -14 ;;
+    lopipe) # the pipelined candidate of the lo kernels (csrc/lo_mma_pipelined.cu) against lo_mma.cu: the GPU
+            # tests of both, one layer per (format, T) with the floors, static-int2 decode in one process
+            PIPE=src/moetide/compute/csrc/lo_mma_pipelined.cu
+            timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_lo_cuda.py 2>&1 | tail -12
+            timeout $(T ${LOPIPE_S:-200}) python3 scripts/bench_lo_cuda.py --out "$OUT/lo_pipe.json" --tokens 1,8,32,128,512 \
+              --max-tokens 4096 --warps-k auto --reps 2 --against-source $PIPE --floor --chain 8 --kernels 2>&1 | grep -v "^  "
+            timeout $(T ${DECODE_S:-180}) python3 scripts/bench_decode_step.py --out "$OUT/decode_lo_pipe.json" --prefill 0 \
+              --cache-dir /tmp/moetide-cache --policies static-int2 --batch-sizes 1,32 --compile auto --skip-hf \
+              --env default,MOETIDE_LO_SOURCE=$PWD/$PIPE 2>&1 | grep "^{" | cut -c1-400 ;;
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \
              | grep -v "Warn\|Loading\|it/s\]" ;;
     zerocopy) timeout $(T 60) python3 scripts/probe_zero_copy.py --out "$OUT/zero_copy.json" ;;

@@ -1,8 +1,10 @@
 """The lo pool's tensor-core kernels (`compute/lo_cuda.py`, `csrc/lo_mma.cu`): on the GPU they equal
 the per-expert PyTorch reference and the Triton tiles for int2, int4 and int2 gate_up + int4 down
 rows beside bf16 hi slots, for every T they take (`takes_tokens`), in a CUDA graph, waiting for a copy
-in flight, and end to end (greedy tokens of the demo model equal the dequantize reference). On the CPU:
-the build's error and the ctypes mirror of the kernel's arguments."""
+in flight, and end to end (greedy tokens of the demo model equal the dequantize reference); every GPU
+test runs the kernels of both sources, lo_mma.cu and the pipelined candidate (`kernel_source`). On the
+CPU: the build's error, the ctypes mirror of each source's arguments, the source switch, and (where
+nvcc is installed) the candidate's build."""
 
 from __future__ import annotations
 
@@ -21,11 +23,21 @@ from moetide.compute.expert_compute import reference_moe
 
 E, TOP_K, H, I = 16, 4, 256, 128
 PREFILL_TOKENS = 256  # the prefill forward's chunk
+PIPELINED = lo_cuda.SOURCE.with_name("lo_mma_pipelined.cu")  # the candidate (its header says what it is)
+SOURCES = [lo_cuda.SOURCE, PIPELINED]
 
 
-def test_the_ctypes_arguments_mirror_the_kernels_struct():
+@pytest.fixture(params=[s.name for s in SOURCES])
+def kernel_source(request, monkeypatch):
+    """The GPU tests run the kernels built from each source (MOETIDE_LO_SOURCE, `lo_cuda.source`)."""
+    monkeypatch.setenv("MOETIDE_LO_SOURCE", str(lo_cuda.SOURCE.with_name(request.param)))
+    return request.param
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_the_ctypes_arguments_mirror_the_kernels_struct(path):
     """A field added, dropped or moved on one side only would pass every pointer one slot off."""
-    source = lo_cuda.SOURCE.read_text()
+    source = path.read_text()
     body = re.search(r"struct LoArgs \{(.*?)\};", source, re.S).group(1)
     declared = [line.split("//")[0].strip().rstrip(";") for line in body.splitlines()]
     declared = [d.rsplit(None, 1) for d in declared if d]  # (type, name)
@@ -35,19 +47,38 @@ def test_the_ctypes_arguments_mirror_the_kernels_struct():
         assert ctypes.sizeof(mirror) == size, name
 
 
-def test_the_ctypes_signature_mirrors_the_kernels_entry_point():
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_the_ctypes_signature_mirrors_the_kernels_entry_point(path):
     """An argument added on one side only would pass the stream as an int (or an int as the stream)."""
-    params = re.search(r'extern "C" int moetide_lo_mma\((.*?)\)', lo_cuda.SOURCE.read_text(), re.S).group(1)
+    params = re.search(r'extern "C" int moetide_lo_mma\((.*?)\)', path.read_text(), re.S).group(1)
     kinds = [p.strip().rsplit(None, 1)[0] if " " in p.strip() else p.strip() for p in params.split(",")]
     mirror = {"const LoArgs*": ctypes.POINTER(lo_cuda.LoArgs), "int": ctypes.c_int, "void*": ctypes.c_void_p}
     assert [mirror[k] for k in kinds] == lo_cuda.ENTRY_ARGTYPES, kinds
 
 
-def test_a_failed_build_says_why_in_one_line(tmp_path):
-    with pytest.raises(RuntimeError, match=r"^nvcc could not build lo_mma\.cu for sm_90: ") as error:
-        lo_cuda.build("90", "/bin/false", tmp_path)
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_a_failed_build_says_why_in_one_line(tmp_path, path):
+    want = rf"^nvcc could not build {re.escape(path.name)} for sm_90: "
+    with pytest.raises(RuntimeError, match=want) as error:
+        lo_cuda.build("90", "/bin/false", tmp_path, path)
     assert "\n" not in str(error.value)
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_moetide_lo_source_names_the_kernel_source_to_build(monkeypatch):
+    monkeypatch.delenv("MOETIDE_LO_SOURCE", raising=False)
+    assert lo_cuda.source() == lo_cuda.SOURCE
+    monkeypatch.setenv("MOETIDE_LO_SOURCE", str(PIPELINED))
+    assert lo_cuda.source() == PIPELINED
+
+
+@pytest.mark.skipif(lo_cuda.nvcc() is None, reason="needs nvcc")
+def test_the_pipelined_source_builds_for_sm_90_with_both_entry_points(tmp_path):
+    """nvcc compiles every instantiation (no GPU needed); the library exports the launch, the error
+    text and the one-time shared-memory setup that `lo_cuda._library` calls."""
+    built = lo_cuda.build("90", lo_cuda.nvcc(), tmp_path, PIPELINED)
+    symbols = built.read_bytes()
+    assert all(name in symbols for name in (b"moetide_lo_mma", b"moetide_lo_error", b"moetide_lo_prepare"))
 
 
 def test_cpu_tensors_and_other_dtypes_stay_on_the_triton_path():
@@ -116,6 +147,7 @@ def layer(fmt: str, num_tokens: int, seed: int = 0):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_source")
 @pytest.mark.parametrize("fmt", ["int2", "int4", "int2+int4"])
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 8, 16, 32, 33, 128, 256])
 def test_the_cuda_kernels_equal_the_reference_and_the_triton_tiles(fmt, num_tokens, monkeypatch):
@@ -139,6 +171,7 @@ def test_the_cuda_kernels_equal_the_reference_and_the_triton_tiles(fmt, num_toke
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_source")
 @pytest.mark.parametrize("fmt", ["int2", "int4", "int2+int4"])
 @pytest.mark.parametrize("num_tokens", [17, 64, 200])
 @pytest.mark.parametrize("block_m", [16, 32])
@@ -164,6 +197,7 @@ def test_both_main_loops_equal_the_reference_on_blocks_of_16_and_32_rows(fmt, nu
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_source")
 @pytest.mark.parametrize("fmt", ["int2", "int4"])
 @pytest.mark.parametrize("num_tokens", [64, 256])
 def test_blocks_wider_than_the_kernels_take_are_cut_for_every_pool(fmt, num_tokens, monkeypatch):
@@ -182,6 +216,7 @@ def test_blocks_wider_than_the_kernels_take_are_cut_for_every_pool(fmt, num_toke
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_source")
 @pytest.mark.parametrize("fmt", ["int2", "int4"])
 @pytest.mark.parametrize("num_tokens", [1, 2])
 def test_a_hi_pool_on_one_launch_beside_the_cuda_kernels_sums_into_the_same_reduce(fmt, num_tokens, monkeypatch):
@@ -201,6 +236,7 @@ def test_a_hi_pool_on_one_launch_beside_the_cuda_kernels_sums_into_the_same_redu
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_source")
 @pytest.mark.parametrize("num_tokens", [1, 8, 32])
 def test_the_cuda_kernels_replay_in_a_cuda_graph(num_tokens):
     fused_moe = gpu_kernel()
@@ -221,6 +257,7 @@ def test_the_cuda_kernels_replay_in_a_cuda_graph(num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_source")
 def test_the_cuda_kernels_wait_for_a_copy_in_flight():
     fused_moe = gpu_kernel()
     pool = make_pool(4, I, H, "int2", torch.bfloat16, seed=5)
@@ -247,6 +284,7 @@ def test_the_cuda_kernels_wait_for_a_copy_in_flight():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_source")
 @pytest.mark.parametrize("policy", ["static-int2", "static-int4"])
 def test_the_demo_models_greedy_tokens_through_the_cuda_kernels_equal_the_reference_path(policy, monkeypatch):
     """bf16 end to end: 28 greedy tokens of the dequantize reference, then both paths' logits over the
@@ -278,6 +316,7 @@ def test_the_demo_models_greedy_tokens_through_the_cuda_kernels_equal_the_refere
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_source")
 @pytest.mark.parametrize("policy", ["static-int2", "static-int4"])
 def test_a_prefill_chunk_through_the_cuda_kernels_equals_the_reference_path(policy, monkeypatch):
     """One forward of PREFILL_TOKENS tokens of text (a prefill chunk: the kernels on blocks cut to

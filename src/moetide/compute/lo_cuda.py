@@ -13,9 +13,11 @@ MOETIDE_LO_PDL=0 turns that off).
 
 Built on first use for the device's architecture into the cache directory (MOETIDE_KERNEL_CACHE, else
 ~/.cache/moetide/kernels), under a name that hashes the source, the architecture and nvcc's version;
-a build takes ~10 s and says so on stderr. Off (the Triton tiles everywhere) where there is no CUDA
-device of sm_80 or newer, no nvcc (PATH, CUDA_HOME), or MOETIDE_LO_CUDA=0; a failed build is reported
-once, in one line, and leaves the Triton path on.
+a build takes ~10 s and says so on stderr. MOETIDE_LO_SOURCE names another kernel source to build and
+run instead (A/B runs of two kernel versions in one process, read per call; `csrc/lo_mma_pipelined.cu`
+is such a candidate). Off (the Triton tiles everywhere) where there is no CUDA device of sm_80 or newer,
+no nvcc (PATH, CUDA_HOME), or MOETIDE_LO_CUDA=0; a failed build is reported once, in one line, and
+leaves the Triton path on.
 """
 
 from __future__ import annotations
@@ -101,11 +103,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOETIDE_KERNEL_CACHE") or Path.home() / ".cache" / "moetide" / "kernels")
 
 
-def build(arch: str, compiler: str, out_dir: Path) -> Path:
-    """lo_mma.cu as a shared library for `arch` ("90": sm_90) in `out_dir`: `(path)`, built unless there.
-    RuntimeError (one line: nvcc's last line) if the build fails."""
+def source() -> Path:
+    """The kernel source to build: SOURCE, or the file MOETIDE_LO_SOURCE names (A/B runs)."""
+    return Path(os.environ.get("MOETIDE_LO_SOURCE") or SOURCE)
+
+
+def build(arch: str, compiler: str, out_dir: Path, src: Path = SOURCE) -> Path:
+    """`src` (lo_mma.cu) as a shared library for `arch` ("90": sm_90) in `out_dir`: `(path)`, built unless
+    there. RuntimeError (one line: nvcc's last line) if the build fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(src.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
     target = out_dir / f"lo_mma_sm{arch}_{key}.so"
     if target.exists():
         return target
@@ -114,24 +121,29 @@ def build(arch: str, compiler: str, out_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
         cmd = [compiler, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--cudart", "static",
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", str(SOURCE), "-o", str(built)]  # fmt: skip
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", str(src), "-o", str(built)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
-            raise RuntimeError(f"nvcc could not build {SOURCE.name} for sm_{arch}: {lines[-1]}")
+            raise RuntimeError(f"nvcc could not build {src.name} for sm_{arch}: {lines[-1]}")
         os.replace(built, target)  # atomic: another process may build the same file
     return target
 
 
-@lru_cache(maxsize=8)
 def library(device_index: int):
-    """The loaded library for one CUDA device, or None (off, no nvcc, an old GPU, a failed build)."""
+    """The loaded library of `source()` for one CUDA device, or None (off, no nvcc, an old GPU, a failed
+    build)."""
+    return _library(device_index, source())
+
+
+@lru_cache(maxsize=8)
+def _library(device_index: int, src: Path):
     major, minor = torch.cuda.get_device_capability(device_index)
     compiler = nvcc()
     if major < 8 or compiler is None:
         return None
     try:
-        lib = ctypes.CDLL(str(build(f"{major}{minor}", compiler, cache_dir())))
+        lib = ctypes.CDLL(str(build(f"{major}{minor}", compiler, cache_dir(), src)))
     except (RuntimeError, OSError) as error:
         print(f"moetide: low-bit CUDA kernels off, the Triton tiles run instead: {error}", file=sys.stderr)
         return None
@@ -139,6 +151,16 @@ def library(device_index: int):
     lib.moetide_lo_mma.argtypes = ENTRY_ARGTYPES
     lib.moetide_lo_error.restype = ctypes.c_char_p
     lib.moetide_lo_error.argtypes = [ctypes.c_int]
+    prepare = getattr(lib, "moetide_lo_prepare", None)  # a source whose kernels need more shared memory
+    code = 0
+    if prepare is not None:
+        prepare.restype = ctypes.c_int
+        with torch.cuda.device(device_index):
+            code = prepare()
+    if code != 0:
+        reason = lib.moetide_lo_error(code).decode()
+        print(f"moetide: low-bit CUDA kernels off, the Triton tiles run instead: {reason}", file=sys.stderr)
+        return None
     return lib
 
 
@@ -147,8 +169,11 @@ ENTRY_ARGTYPES = [ctypes.POINTER(LoArgs)] + [ctypes.c_int] * 7 + [ctypes.c_void_
 
 
 def _fits(matrix: MatrixFormat, k: int, n: int, row_bytes: int) -> bool:
+    """Whether the kernels take this matrix: int2 / int4 in groups of 256 bits, n a multiple of a
+    program's 64 rows, codes, scales and offsets copied in 16-byte pieces (aligned)."""
     return (matrix.bits in (2, 4) and matrix.group_size * matrix.bits == GROUP_BITS and k % matrix.group_size == 0
-            and n % 16 == 0 and matrix.data_offset % 16 == 0 and row_bytes % 16 == 0)  # fmt: skip
+            and n % 64 == 0 and matrix.data_offset % 16 == 0 and row_bytes % 16 == 0
+            and matrix.scale_offset % 8 == 0 and matrix.offset_offset % 8 == 0)  # fmt: skip
 
 
 def eligible(pool: Pool, hidden: torch.Tensor, block_m: int, routing_dtype: torch.dtype) -> bool:
