@@ -47,7 +47,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_fused_layer import kernel_times  # noqa: E402
 from tune_fused_moe import (  # noqa: E402
-    ROOFLINE_BYTES_S, SHAPES, layer_bytes, layer_inputs, make_pool, rel_err, time_layer)  # fmt: skip
+    ROOFLINE_BYTES_S, SHAPES, graph_replay_us, layer_bytes, layer_inputs, make_pool, rel_err,
+    time_layer)  # fmt: skip
 from tune_mixed_pools import lo_only, mixed_inputs  # noqa: E402
 
 from moetide.compute import lo_cuda  # noqa: E402
@@ -74,8 +75,6 @@ def _nothing_kernel(out_ptr):
 def floor_times(pool, ids) -> dict:
     """The floors of a layer in the layer's harness (a graph replay, L2 flushed between replays): one
     kernel reading each used expert's row once, and a graph of one empty kernel."""
-    import triton.testing
-
     slots = torch.unique(ids).to(torch.int32)  # the bench's slot table is the identity
     words = pool.arena.view(torch.int32)
     row_words, block = words.shape[1], 8192
@@ -84,16 +83,7 @@ def floor_times(pool, ids) -> dict:
     calls = {"floor_read_us": lambda: _read_rows_kernel[(slots.numel(), chunks)](words, slots, out, row_words,
                                                                                     BLOCK=block, num_warps=8),
              "floor_launch_us": lambda: _nothing_kernel[(1,)](out)}  # fmt: skip
-    times = {}
-    for name, call in calls.items():
-        call()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
-        times[name] = round(ms * 1000, 2)
-    return times
+    return {name: round(graph_replay_us(call)[0], 2) for name, call in calls.items()}
 
 
 def warps_rule(warps: str, hidden: int):

@@ -102,6 +102,14 @@ def time_layer(pool, inputs, config, variant: str | None, copies: int = 1) -> tu
         start = time.perf_counter()
         out = call()
         return (time.perf_counter() - start) * 1e6 / copies, out
+    us, out = graph_replay_us(call)
+    return us / copies, out.clone()
+
+
+def graph_replay_us(call) -> tuple[float, object]:
+    """Median microseconds of `call` captured in a CUDA graph and replayed (`triton.testing.do_bench`,
+    L2 flushed between replays; warmed up eagerly and on a side stream first), and what the captured
+    call returned."""
     import triton.testing
 
     call()  # compile
@@ -114,7 +122,7 @@ def time_layer(pool, inputs, config, variant: str | None, copies: int = 1) -> tu
     with torch.cuda.graph(graph):
         out = call()
     ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
-    return ms * 1000 / copies, out.clone()
+    return ms * 1000, out
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

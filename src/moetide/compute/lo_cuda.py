@@ -145,8 +145,7 @@ def _library(device_index: int, src: Path):
     try:
         lib = ctypes.CDLL(str(build(f"{major}{minor}", compiler, cache_dir(), src)))
     except (RuntimeError, OSError) as error:
-        print(f"moetide: low-bit CUDA kernels off, the Triton tiles run instead: {error}", file=sys.stderr)
-        return None
+        return _off(error)
     lib.moetide_lo_mma.restype = ctypes.c_int
     lib.moetide_lo_mma.argtypes = ENTRY_ARGTYPES
     lib.moetide_lo_error.restype = ctypes.c_char_p
@@ -157,11 +156,12 @@ def _library(device_index: int, src: Path):
         prepare.restype = ctypes.c_int
         with torch.cuda.device(device_index):
             code = prepare()
-    if code != 0:
-        reason = lib.moetide_lo_error(code).decode()
-        print(f"moetide: low-bit CUDA kernels off, the Triton tiles run instead: {reason}", file=sys.stderr)
-        return None
-    return lib
+    return _off(lib.moetide_lo_error(code).decode()) if code != 0 else lib
+
+
+def _off(reason) -> None:
+    """Says in one line on stderr why the kernels are off (the Triton tiles run): `library`'s None."""
+    print(f"moetide: low-bit CUDA kernels off, the Triton tiles run instead: {reason}", file=sys.stderr)
 
 
 # moetide_lo_mma(args, matrices, bits, nt, wk, blocks, dependent, tokens_as_rows, stream)
