@@ -13,6 +13,8 @@ every used expert's row once plus the activations in and out, at 3.3 TB/s. `vs_r
 is its time over the roofline; the target `lo_kernel_vs_hbm_roofline_worst` is the worst over T = 1,
 8, 32, 128 of the path the engine takes (`engine_us`: the CUDA kernels where `lo_cuda.eligible`).
 
+A warps value is a program's grid: "2" (2 warps along K, the rest of 4 along N), "2x4" (2 along K, 4
+along N: programs of 8 warps, on blocks of 16 or more rows), or gate_up's / down's ("4/2", "2x4/1x8").
 `--pdl-ab` also times the CUDA kernels with down launched plainly (MOETIDE_LO_PDL=0, `cuda_plain_us`);
 `--kernels` adds each path's kernels from the CUDA profiler (`kernels_*`, mean device µs per call);
 `--against-source FILE[,FILE...]` also times the CUDA kernels built from other lo_mma.cu sources
@@ -27,7 +29,9 @@ main loop (`cuda_tokens_as_rows_us`, `cuda_weights_as_rows_us`: `lo_cuda.tokens_
 or never). `--max-tokens` / `--wide-block-m` / `--tokens-as-rows-from` set `lo_cuda.MAX_TOKENS` /
 `WIDE_BLOCK_M` / `TOKENS_AS_ROWS_FROM` for the run. `--floor` also times, in the same harness, what
 no layer can beat: one kernel that only reads every used expert's row once (`floor_read_us`, wide loads,
-nothing computed) and a graph of one empty kernel (`floor_launch_us`, what a graph replay costs by itself).
+nothing computed) and a graph of one empty kernel (`floor_launch_us`, what a graph replay costs by itself);
+with `--chain` also that read per layer of a chain (`floor_chain_read_us`). MOETIDE_LO_SOURCE set for
+the run times that source's kernels throughout.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from tune_mixed_pools import lo_only, mixed_inputs  # noqa: E402
 from moetide.compute import lo_cuda  # noqa: E402
 from moetide.compute.expert_compute import reference_moe  # noqa: E402
 
-AUTO_WARPS = lo_cuda.warps_along_k
+AUTO_WARPS, AUTO_WARPS_N = lo_cuda.warps_along_k, lo_cuda.warps_along_n
 
 
 @triton.jit
@@ -72,27 +76,45 @@ def _nothing_kernel(out_ptr):
     tl.store(out_ptr, 0)
 
 
-def floor_times(pool, ids) -> dict:
+def floor_times(pool, ids, chain: int = 0) -> dict:
     """The floors of a layer in the layer's harness (a graph replay, L2 flushed between replays): one
-    kernel reading each used expert's row once, and a graph of one empty kernel."""
+    kernel reading each used expert's row once, and a graph of one empty kernel; with `chain` > 1 also
+    the read per layer of `chain` in one graph, each on its own copy of the arena (`floor_chain_read_us`,
+    the floor of `chain_engine_us`)."""
     slots = torch.unique(ids).to(torch.int32)  # the bench's slot table is the identity
     words = pool.arena.view(torch.int32)
     row_words, block = words.shape[1], 8192
     chunks = triton.cdiv(row_words, block)
     out = torch.empty(slots.numel() * chunks, dtype=torch.int32, device=words.device)
-    calls = {"floor_read_us": lambda: _read_rows_kernel[(slots.numel(), chunks)](words, slots, out, row_words,
-                                                                                    BLOCK=block, num_warps=8),
-             "floor_launch_us": lambda: _nothing_kernel[(1,)](out)}  # fmt: skip
-    return {name: round(graph_replay_us(call)[0], 2) for name, call in calls.items()}
+
+    def read(arena=words):
+        _read_rows_kernel[(slots.numel(), chunks)](arena, slots, out, row_words, BLOCK=block, num_warps=8)
+
+    calls = {"floor_read_us": read, "floor_launch_us": lambda: _nothing_kernel[(1,)](out)}
+    times = {name: round(graph_replay_us(call)[0], 2) for name, call in calls.items()}
+    if chain > 1:
+        copies = [words] + [words.clone() for _ in range(chain - 1)]
+        times["floor_chain_read_us"] = round(graph_replay_us(lambda: [read(c) for c in copies])[0] / chain, 2)
+    return times
 
 
 def warps_rule(warps: str, hidden: int):
-    """`lo_cuda.warps_along_k` for "auto", one count ("2"), or gate_up's / down's ("4/2")."""
+    """(`lo_cuda.warps_along_k`, `lo_cuda.warps_along_n`) for "auto", one grid for both launches ("2":
+    2 warps along K, the rest of 4 along N; "2x4": 2 along K, 4 along N) or gate_up's / down's
+    ("4/2", "2x4/1x8")."""
     if warps == "auto":
-        return AUTO_WARPS
+        return AUTO_WARPS, AUTO_WARPS_N
     gate_up, _, down = warps.partition("/")
-    return lambda t, groups, bits: int(gate_up) if groups * lo_cuda.GROUP_BITS // bits == hidden or not down \
-        else int(down)  # fmt: skip
+    grids = [tuple(int(v) for v in (w + "x0").split("x")[:2]) for w in (gate_up, down or gate_up)]
+
+    def along_k(t, groups, bits):  # gate_up's K is the hidden size
+        return grids[0 if groups * lo_cuda.GROUP_BITS // bits == hidden else 1][0]
+
+    def along_n(t, wk, n, block_m):  # down's N is the hidden size
+        wn = grids[1 if n == hidden else 0][1]
+        return wn or 4 // wk
+
+    return along_k, along_n
 
 
 def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool = False, source=None,
@@ -103,19 +125,22 @@ def timed(pool, inputs, cuda: bool, warps: str, pdl: bool = True, profile: bool 
     own_from = lo_cuda.TOKENS_AS_ROWS_FROM
     if tokens_as_rows_from is not None:
         lo_cuda.TOKENS_AS_ROWS_FROM = tokens_as_rows_from
+    own_env = {k: os.environ.get(k) for k in ("MOETIDE_LO_CUDA", "MOETIDE_LO_PDL", "MOETIDE_LO_SOURCE")}
     os.environ["MOETIDE_LO_CUDA"] = "1" if cuda else "0"
     os.environ["MOETIDE_LO_PDL"] = "1" if pdl else "0"
-    lo_cuda.warps_along_k = warps_rule(warps, inputs[0].shape[1])
+    lo_cuda.warps_along_k, lo_cuda.warps_along_n = warps_rule(warps, inputs[0].shape[1])
     if source is not None:
         os.environ["MOETIDE_LO_SOURCE"] = str(source)
     try:
         return kernel_times(pool, inputs, 20) if profile else time_layer(pool, inputs, None, None, copies)
     finally:
-        lo_cuda.warps_along_k = AUTO_WARPS
+        lo_cuda.warps_along_k, lo_cuda.warps_along_n = AUTO_WARPS, AUTO_WARPS_N
         lo_cuda.TOKENS_AS_ROWS_FROM = own_from
-        os.environ.pop("MOETIDE_LO_CUDA", None)
-        os.environ.pop("MOETIDE_LO_PDL", None)
-        os.environ.pop("MOETIDE_LO_SOURCE", None)
+        for key, value in own_env.items():  # the run's own (MOETIDE_LO_SOURCE: the kernels under test)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def mixed_cell(lo, fmt: str, t: int, shape: tuple, hi_experts: int, reps: int, kernels: bool = False) -> dict:
@@ -195,8 +220,10 @@ def cell(pool, fmt: str, t: int, shape: tuple, warps_k: list[str], reps: int, pd
                triton_vs_roofline=round(row["triton_us"] / roof_us, 2),
                speedup_vs_triton=round(row["triton_us"] / engine_us, 3))  # fmt: skip
     if floor:
-        row.update(floor_times(pool, ids))
+        row.update(floor_times(pool, ids, chain))
         row["floor_read_vs_roofline"] = round(row["floor_read_us"] / roof_us, 2)
+        if chain > 1:
+            row["floor_chain_read_vs_roofline"] = round(row["floor_chain_read_us"] / roof_us, 2)
     if chain > 1:  # per layer of `chain` in one graph, each on its own rows: the engine's path and the tiles
         runs = {"engine": [], "triton": []}
         for _ in range(reps):
@@ -257,7 +284,7 @@ def main() -> int:
     target = [r for r in rows if r["tokens"] in (1, 8, 32, 128)]
     worst = max(target, key=lambda r: r["vs_roofline"]) if target else None
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "max_tokens": args.max_tokens, "wide_block_m": args.wide_block_m,
+              "source": lo_cuda.source().name, "max_tokens": args.max_tokens, "wide_block_m": args.wide_block_m,
               "tokens_as_rows_from": args.tokens_as_rows_from,
               "rows": rows, "mixed": mixed_rows, "worst": worst and {k: worst[k] for k in ("format", "tokens", "vs_roofline")}}  # fmt: skip
     if args.chain > 1 and target:

@@ -88,9 +88,9 @@ def check(bits: int, nm: int, nt: int, wk_n: int, wn_n: int, one_pair: bool, nt_
 
 def main() -> int:
     n = 0
-    warps = ((1, 4), (2, 2), (4, 1))  # (along K, along N), as `by_warps`
+    warps = ((1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2))  # (along K, along N), as `by_warps`
     for bits, nm, nt, (wk, wn), k in itertools.product((2, 4), (1, 2), (1, 2, 4), warps, (128, 256, 1024, 2048)):
-        if (k // (256 // bits)) % wk:
+        if (k // (256 // bits)) % wk or wk * wn == 8 and nt == 1:  # 8 warps: blocks of 16 or more rows
             continue  # `lo_cuda.warps_along_k` takes a divisor of the row's groups
         for one_pair in (True, False) if nt == 1 else (False,):
             for tokens_as_rows in (False, True) if nt > 1 else (False,):

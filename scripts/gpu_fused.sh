@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the fused MoE path: its tests, the per-layer kernel timings (and tuning),
 # then decode tok/s and prefill TTFT against transformers' static-cache generate. Steps named in $@:
-#   tests gputests tune retune cells mixed layer lopipe bench zerocopy decode qwen15 quant searcher trace
+#   tests gputests tune retune cells mixed layer lopipe grids bench zerocopy decode qwen15 quant searcher trace
 # (no openai/pydantic on the GPU image: the server tests stay on the CPU)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
@@ -55,6 +55,24 @@ for step in "$@"; do
             timeout $(T ${DECODE_S:-180}) python3 scripts/bench_decode_step.py --out "$OUT/decode_lo_pipe.json" --prefill 0 \
               --cache-dir /tmp/moetide-cache --policies static-int2 --batch-sizes 1,32 --compile auto --skip-hf \
               --env default,MOETIDE_LO_SOURCE=$PWD/$PIPE 2>&1 | grep "^{" | cut -c1-400 ;;
+    grids)  # programs of 4 and 8 warps (wk x wn) per (format, T) for each kernel source, with the floors
+            for f in src/moetide/compute/csrc/lo_mma*.cu; do  # both sources built at once, into the cache
+              python3 -c "import sys, torch; from pathlib import Path; from moetide.compute import lo_cuda as l; \
+            l.build('%d%d' % torch.cuda.get_device_capability(), l.nvcc(), l.cache_dir(), Path(sys.argv[1]))" $f &
+            done; wait
+            timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_lo_cuda.py 2>&1 | tail -12
+            SPECS=${GRID_SPECS:-auto,1x8,2x4,4x2,2x4/1x8}
+            timeout $(T ${GRIDS_S:-200}) python3 scripts/bench_lo_cuda.py --out "$OUT/lo_grids.json" \
+              --tokens ${GRID_TOKENS:-1,8,32,128,512} --max-tokens 4096 --warps-k $SPECS --reps 2 --floor --chain 8 \
+              2>&1 | grep -v "^  "
+            timeout $(T ${DECODE_S:-180}) python3 scripts/bench_decode_step.py --out "$OUT/decode_grids.json" --prefill 0 \
+              --cache-dir /tmp/moetide-cache --policies static-int2 --batch-sizes 1,32 --compile auto --skip-hf \
+              --env default,MOETIDE_LO_PROGRAM_WARPS=8 2>&1 | grep "^{" | cut -c1-300
+            for src in ${GRID_SOURCES:-lo_mma_pipelined}; do
+              MOETIDE_LO_SOURCE=$PWD/src/moetide/compute/csrc/$src.cu timeout $(T ${GRIDS_S:-200}) \
+                python3 scripts/bench_lo_cuda.py --out "$OUT/lo_grids_$src.json" --tokens ${GRID_OTHER_TOKENS:-8,32,128,512} \
+                --max-tokens 4096 --warps-k ${GRID_OTHER_SPECS:-auto,1x8,2x4,4x2} --reps 2 2>&1 | grep -v "^  "
+            done ;;
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \
              | grep -v "Warn\|Loading\|it/s\]" ;;
     zerocopy) timeout $(T 60) python3 scripts/probe_zero_copy.py --out "$OUT/zero_copy.json" ;;

@@ -81,6 +81,18 @@ def test_the_pipelined_source_builds_for_sm_90_with_both_entry_points(tmp_path):
     assert all(name in symbols for name in (b"moetide_lo_mma", b"moetide_lo_error", b"moetide_lo_prepare"))
 
 
+def test_programs_of_8_warps_take_blocks_of_16_rows_or_more_and_whole_programs_of_rows(monkeypatch):
+    int2 = make_pool(E, I, H, "int2", torch.bfloat16, seed=2).format.gate_up
+    monkeypatch.delenv("MOETIDE_LO_PROGRAM_WARPS", raising=False)
+    assert lo_cuda.warp_grid(64, int2, 2048, 1024, 16) == (2, 2)  # the default: 4 warps
+    monkeypatch.setenv("MOETIDE_LO_PROGRAM_WARPS", "8")
+    assert lo_cuda.warp_grid(64, int2, 2048, 1024, 16) == (2, 4)
+    assert lo_cuda.warp_grid(64, int2, 2048, 1024, 8) == (2, 2)  # one n8 token tile: 4 warps only
+    assert lo_cuda.warp_grid(1, int2, 2048, 1024, 1) == (4, 1)
+    assert lo_cuda.warp_grid(200, int2, 2048, 64 * 3, 32) == (1, 4)  # 192 rows: not whole 128-row programs
+    assert lo_cuda.warp_grid(200, int2, 2048, 64 * 4, 32) == (1, 8)
+
+
 def test_cpu_tensors_and_other_dtypes_stay_on_the_triton_path():
     pool = make_pool(2, I, H, "int2", torch.bfloat16)
     assert not lo_cuda.eligible(pool, torch.zeros(1, H, dtype=torch.bfloat16, device=pool.arena.device), 1,
@@ -194,6 +206,37 @@ def test_both_main_loops_equal_the_reference_on_blocks_of_16_and_32_rows(fmt, nu
         out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
         assert loops == [tokens_as_rows] * 2, (start, loops)
         assert_close(out, want, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("kernel_source")
+@pytest.mark.parametrize("fmt", ["int2", "int4", "int2+int4"])
+@pytest.mark.parametrize("grid", [(1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2)], ids=lambda g: f"{g[0]}x{g[1]}")
+@pytest.mark.parametrize("tokens_as_rows", [False, True])
+def test_every_warp_grid_equals_the_reference(fmt, grid, tokens_as_rows, monkeypatch):
+    """Programs of 4 and of 8 warps (wk along K x wn along N) on blocks of 16 rows, on both main loops,
+    and blocks of one pair on the 4-warp grids (8 warps fall back to 4 / wk along N there)."""
+    fused_moe = gpu_kernel()
+    wk, wn = grid
+    monkeypatch.setattr(lo_cuda, "MAX_TOKENS", 1 << 30)
+    monkeypatch.setattr(lo_cuda, "TOKENS_AS_ROWS_FROM", 0 if tokens_as_rows else 1 << 30)
+    monkeypatch.setattr(lo_cuda, "warps_along_k", lambda *a: wk)
+    monkeypatch.setattr(lo_cuda, "warps_along_n", lambda *a: wn)
+    real_grid = lo_cuda.warp_grid
+    grids = []
+    monkeypatch.setattr(lo_cuda, "warp_grid", lambda *a: grids.append(real_grid(*a)) or grids[-1])
+    for num_tokens, block_m in ((40, 16), (1, 1)):
+        if block_m == 1 and tokens_as_rows:
+            continue
+        real_configs = fused_moe.pool_configs
+        monkeypatch.setattr(fused_moe, "pool_configs",
+                            lambda *a, rows=block_m: [replace(c, block_m=rows) for c in real_configs(*a)])
+        hidden, ids, weights, pool_of, slot_of, pools = layer(fmt, num_tokens)
+        grids.clear()
+        out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
+        monkeypatch.setattr(fused_moe, "pool_configs", real_configs)
+        assert grids == [grid if block_m >= 16 else (wk, 4 // wk)] * 2, (num_tokens, grids)
+        assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), torch.bfloat16)
 
 
 @pytest.mark.gpu

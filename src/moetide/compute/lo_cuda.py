@@ -164,8 +164,8 @@ def _off(reason) -> None:
     print(f"moetide: low-bit CUDA kernels off, the Triton tiles run instead: {reason}", file=sys.stderr)
 
 
-# moetide_lo_mma(args, matrices, bits, nt, wk, blocks, dependent, tokens_as_rows, stream)
-ENTRY_ARGTYPES = [ctypes.POINTER(LoArgs)] + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+# moetide_lo_mma(args, matrices, bits, nt, wk, wn, blocks, dependent, tokens_as_rows, stream)
+ENTRY_ARGTYPES = [ctypes.POINTER(LoArgs)] + [ctypes.c_int] * 8 + [ctypes.c_void_p]
 
 
 def _fits(matrix: MatrixFormat, k: int, n: int, row_bytes: int) -> bool:
@@ -218,6 +218,25 @@ def warps_along_k(num_tokens: int, groups: int, bits: int) -> int:
     return wk
 
 
+def warps_along_n(num_tokens: int, wk: int, n: int, block_m: int) -> int:
+    """Warps of a program that split N, beside `warps_along_k`'s `wk`: programs of
+    MOETIDE_LO_PROGRAM_WARPS (4, the default, or 8; read per call) warps, 16 * warps / wk rows of each
+    matrix. Programs of 8 warps run on blocks of 16 or more rows where n is a multiple of their rows
+    (`warp_grid`)."""
+    return int(os.environ.get("MOETIDE_LO_PROGRAM_WARPS", "4")) // wk
+
+
+def warp_grid(num_tokens: int, matrix: MatrixFormat, k: int, n: int, block_m: int) -> tuple[int, int]:
+    """(warps along K, warps along N) of a launch's programs: `warps_along_k`'s and `warps_along_n`'s,
+    where the kernels take that grid (8 warps: blocks of 16 or more rows and n a multiple of 16 * wn
+    rows), else 4 / wk along N."""
+    wk = warps_along_k(num_tokens, k // matrix.group_size, matrix.bits)
+    wn = warps_along_n(num_tokens, wk, n, block_m)
+    if wk * wn not in (4, 8) or wk * wn == 8 and block_m < 16 or n % (16 * wn):
+        wn = 4 // wk
+    return wk, wn
+
+
 def tokens_as_rows(num_tokens: int, block_m: int) -> bool:
     """Whether blocks of `block_m` rows of a `num_tokens`-token layer run the main loop that makes 16
     tokens the MMA's rows and the weight rows its columns (blocks of 16 or 32 rows, from
@@ -250,9 +269,9 @@ def launch(pool: Pool, pool_id: int, matrix: MatrixFormat, *, act: torch.Tensor,
         routing_dtype=ROUTING_DTYPES[routing.dtype] if routing is not None else 0,
     )  # fmt: skip
     nt = max(1, block_m // 8)
+    wk, wn = warp_grid(num_tokens, matrix, k, n, block_m)
     stream = torch.cuda.current_stream(act.device).cuda_stream
-    code = lib.moetide_lo_mma(ctypes.byref(args), 1 if routing is not None else 2, matrix.bits, nt,
-                              warps_along_k(num_tokens, k // matrix.group_size, matrix.bits), blocks,
-                              int(dependent), int(tokens_as_rows(num_tokens, block_m)), stream)  # fmt: skip
+    code = lib.moetide_lo_mma(ctypes.byref(args), 1 if routing is not None else 2, matrix.bits, nt, wk, wn,
+                              blocks, int(dependent), int(tokens_as_rows(num_tokens, block_m)), stream)  # fmt: skip
     if code != 0:
         raise RuntimeError(f"lo_mma launch failed: {lib.moetide_lo_error(code).decode()}")

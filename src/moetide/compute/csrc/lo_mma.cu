@@ -501,47 +501,58 @@ cudaError_t launch(const LoArgs& a, const Launch& l) {
     return cudaLaunchKernelEx(&config, lo_mma_kernel<BITS, NM, NT, WK, WN, TOKENS_AS_ROWS>, a);
 }
 
+// Warp grids (wk along K x wn along N): programs of 4 warps, and of 8 for blocks of 16 or more token rows
+// (twice the rows per program: a block's activations read by twice as many warps of one program).
 template <int BITS, int NM, int NT, bool TOKENS_AS_ROWS = false>
-cudaError_t by_warps(const LoArgs& a, const Launch& l, int wk) {
-    switch (wk) {
-        case 1: return launch<BITS, NM, NT, 1, 4, TOKENS_AS_ROWS>(a, l);
-        case 2: return launch<BITS, NM, NT, 2, 2, TOKENS_AS_ROWS>(a, l);
-        case 4: return launch<BITS, NM, NT, 4, 1, TOKENS_AS_ROWS>(a, l);
-        default: return cudaErrorInvalidValue;
+cudaError_t by_warps(const LoArgs& a, const Launch& l, int wk, int wn) {
+    switch (wk * 16 + wn) {
+        case 16 + 4: return launch<BITS, NM, NT, 1, 4, TOKENS_AS_ROWS>(a, l);
+        case 32 + 2: return launch<BITS, NM, NT, 2, 2, TOKENS_AS_ROWS>(a, l);
+        case 64 + 1: return launch<BITS, NM, NT, 4, 1, TOKENS_AS_ROWS>(a, l);
     }
+    if constexpr (NT > 1) {
+        switch (wk * 16 + wn) {
+            case 16 + 8: return launch<BITS, NM, NT, 1, 8, TOKENS_AS_ROWS>(a, l);
+            case 32 + 4: return launch<BITS, NM, NT, 2, 4, TOKENS_AS_ROWS>(a, l);
+            case 64 + 2: return launch<BITS, NM, NT, 4, 2, TOKENS_AS_ROWS>(a, l);
+        }
+    }
+    return cudaErrorInvalidValue;
 }
 
 template <int BITS, int NM>
-cudaError_t by_tokens(const LoArgs& a, const Launch& l, int nt, int wk, bool tokens_as_rows) {
+cudaError_t by_tokens(const LoArgs& a, const Launch& l, int nt, int wk, int wn, bool tokens_as_rows) {
     if (tokens_as_rows) {  // 16-token tiles: blocks of 16 or 32 rows
         switch (nt) {
-            case 2: return by_warps<BITS, NM, 2, true>(a, l, wk);
-            case 4: return by_warps<BITS, NM, 4, true>(a, l, wk);
+            case 2: return by_warps<BITS, NM, 2, true>(a, l, wk, wn);
+            case 4: return by_warps<BITS, NM, 4, true>(a, l, wk, wn);
             default: return cudaErrorInvalidValue;
         }
     }
     switch (nt) {
-        case 1: return by_warps<BITS, NM, 1>(a, l, wk);
-        case 2: return by_warps<BITS, NM, 2>(a, l, wk);
-        case 4: return by_warps<BITS, NM, 4>(a, l, wk);
+        case 1: return by_warps<BITS, NM, 1>(a, l, wk, wn);
+        case 2: return by_warps<BITS, NM, 2>(a, l, wk, wn);
+        case 4: return by_warps<BITS, NM, 4>(a, l, wk, wn);
         default: return cudaErrorInvalidValue;
     }
 }
 
 }  // namespace
 
-// matrices 2: gate_up, 1: down; nt n8 token tiles (>= block_m / 8); wk warps along K (1, 2, 4; the
-// other 4 / wk along N); dependent: down as a programmatic dependent launch of the kernel before it
-// (sm_90+); tokens_as_rows: the main loop of `tokens_as_rows` (nt 2 or 4), else `weights_as_rows`.
-// Returns the launch's cudaError_t (0: launched).
-extern "C" int moetide_lo_mma(const LoArgs* args, int matrices, int bits, int nt, int wk, int blocks,
-                              int dependent, int tokens_as_rows, void* stream) {
+// matrices 2: gate_up, 1: down; nt n8 token tiles (>= block_m / 8); wk warps along K (1, 2, 4) and wn
+// along N (wk * wn 4, or 8 where nt > 1); dependent: down as a programmatic dependent launch of the
+// kernel before it (sm_90+); tokens_as_rows: the main loop of `tokens_as_rows` (nt 2 or 4), else
+// `weights_as_rows`. Returns the launch's cudaError_t (0: launched).
+extern "C" int moetide_lo_mma(const LoArgs* args, int matrices, int bits, int nt, int wk, int wn,
+                              int blocks, int dependent, int tokens_as_rows, void* stream) {
     const LoArgs& a = *args;
     const Launch l{blocks, dependent != 0 && matrices == 1, reinterpret_cast<cudaStream_t>(stream)};
     if (blocks <= 0) return 0;
     const bool rows = tokens_as_rows != 0;
-    if (bits == 2) return matrices == 2 ? by_tokens<2, 2>(a, l, nt, wk, rows) : by_tokens<2, 1>(a, l, nt, wk, rows);
-    if (bits == 4) return matrices == 2 ? by_tokens<4, 2>(a, l, nt, wk, rows) : by_tokens<4, 1>(a, l, nt, wk, rows);
+    if (bits == 2) return matrices == 2 ? by_tokens<2, 2>(a, l, nt, wk, wn, rows)
+                                        : by_tokens<2, 1>(a, l, nt, wk, wn, rows);
+    if (bits == 4) return matrices == 2 ? by_tokens<4, 2>(a, l, nt, wk, wn, rows)
+                                        : by_tokens<4, 1>(a, l, nt, wk, wn, rows);
     return cudaErrorInvalidValue;
 }
 

@@ -630,51 +630,61 @@ struct AllowShared {
     }
 };
 
+// Warp grids (wk along K x wn along N): programs of 4 warps, and of 8 for blocks of 16 or more token rows
+// (twice the rows per program: a stage's activations read by twice as many warps).
 template <int BITS, int NM, int NT, bool TOKENS_AS_ROWS, class Op>
-cudaError_t by_warps(const Op& op, int wk) {
-    switch (wk) {
-        case 1: return op.template run<BITS, NM, NT, 1, 4, TOKENS_AS_ROWS>();
-        case 2: return op.template run<BITS, NM, NT, 2, 2, TOKENS_AS_ROWS>();
-        case 4: return op.template run<BITS, NM, NT, 4, 1, TOKENS_AS_ROWS>();
-        default: return cudaErrorInvalidValue;
+cudaError_t by_warps(const Op& op, int wk, int wn) {
+    switch (wk * 16 + wn) {
+        case 16 + 4: return op.template run<BITS, NM, NT, 1, 4, TOKENS_AS_ROWS>();
+        case 32 + 2: return op.template run<BITS, NM, NT, 2, 2, TOKENS_AS_ROWS>();
+        case 64 + 1: return op.template run<BITS, NM, NT, 4, 1, TOKENS_AS_ROWS>();
     }
+    if constexpr (NT > 1) {
+        switch (wk * 16 + wn) {
+            case 16 + 8: return op.template run<BITS, NM, NT, 1, 8, TOKENS_AS_ROWS>();
+            case 32 + 4: return op.template run<BITS, NM, NT, 2, 4, TOKENS_AS_ROWS>();
+            case 64 + 2: return op.template run<BITS, NM, NT, 4, 2, TOKENS_AS_ROWS>();
+        }
+    }
+    return cudaErrorInvalidValue;
 }
 
 template <int BITS, int NM, class Op>
-cudaError_t by_tokens(const Op& op, int nt, int wk, bool tokens_as_rows) {
+cudaError_t by_tokens(const Op& op, int nt, int wk, int wn, bool tokens_as_rows) {
     if (tokens_as_rows) {  // 16-token tiles: blocks of 16 or 32 rows
         switch (nt) {
-            case 2: return by_warps<BITS, NM, 2, true>(op, wk);
-            case 4: return by_warps<BITS, NM, 4, true>(op, wk);
+            case 2: return by_warps<BITS, NM, 2, true>(op, wk, wn);
+            case 4: return by_warps<BITS, NM, 4, true>(op, wk, wn);
             default: return cudaErrorInvalidValue;
         }
     }
     switch (nt) {
-        case 1: return by_warps<BITS, NM, 1, false>(op, wk);
-        case 2: return by_warps<BITS, NM, 2, false>(op, wk);
-        case 4: return by_warps<BITS, NM, 4, false>(op, wk);
+        case 1: return by_warps<BITS, NM, 1, false>(op, wk, wn);
+        case 2: return by_warps<BITS, NM, 2, false>(op, wk, wn);
+        case 4: return by_warps<BITS, NM, 4, false>(op, wk, wn);
         default: return cudaErrorInvalidValue;
     }
 }
 
 template <class Op>
-cudaError_t dispatch(const Op& op, int matrices, int bits, int nt, int wk, bool tokens_as_rows) {
-    if (bits == 2) return matrices == 2 ? by_tokens<2, 2>(op, nt, wk, tokens_as_rows) : by_tokens<2, 1>(op, nt, wk, tokens_as_rows);
-    if (bits == 4) return matrices == 2 ? by_tokens<4, 2>(op, nt, wk, tokens_as_rows) : by_tokens<4, 1>(op, nt, wk, tokens_as_rows);
+cudaError_t dispatch(const Op& op, int matrices, int bits, int nt, int wk, int wn, bool tokens_as_rows) {
+    const bool rows = tokens_as_rows;
+    if (bits == 2) return matrices == 2 ? by_tokens<2, 2>(op, nt, wk, wn, rows) : by_tokens<2, 1>(op, nt, wk, wn, rows);
+    if (bits == 4) return matrices == 2 ? by_tokens<4, 2>(op, nt, wk, wn, rows) : by_tokens<4, 1>(op, nt, wk, wn, rows);
     return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
-// matrices 2: gate_up, 1: down; nt n8 token tiles (>= block_m / 8); wk warps along K (1, 2, 4; the
-// other 4 / wk along N); dependent: down as a programmatic dependent launch of the kernel before it
-// (sm_90+); tokens_as_rows: the main loop of `tokens_as_rows` (nt 2 or 4), else `weights_as_rows`.
-// Returns the launch's cudaError_t (0: launched).
-extern "C" int moetide_lo_mma(const LoArgs* args, int matrices, int bits, int nt, int wk, int blocks,
-                              int dependent, int tokens_as_rows, void* stream) {
+// matrices 2: gate_up, 1: down; nt n8 token tiles (>= block_m / 8); wk warps along K (1, 2, 4) and wn
+// along N (wk * wn 4, or 8 where nt > 1); dependent: down as a programmatic dependent launch of the
+// kernel before it (sm_90+); tokens_as_rows: the main loop of `tokens_as_rows` (nt 2 or 4), else
+// `weights_as_rows`. Returns the launch's cudaError_t (0: launched).
+extern "C" int moetide_lo_mma(const LoArgs* args, int matrices, int bits, int nt, int wk, int wn,
+                              int blocks, int dependent, int tokens_as_rows, void* stream) {
     const Launch l{blocks, dependent != 0 && matrices == 1, reinterpret_cast<cudaStream_t>(stream)};
     if (blocks <= 0) return 0;
-    return dispatch(LaunchOne{*args, l}, matrices, bits, nt, wk, tokens_as_rows != 0);
+    return dispatch(LaunchOne{*args, l}, matrices, bits, nt, wk, wn, tokens_as_rows != 0);
 }
 
 // Once per device, before any launch (and so outside any graph capture): every instantiation may take
@@ -688,9 +698,10 @@ extern "C" int moetide_lo_prepare() {
     for (int matrices = 1; matrices <= 2 && e == cudaSuccess; ++matrices)
         for (int bits = 2; bits <= 4 && e == cudaSuccess; bits += 2)
             for (int nt = 1; nt <= 4 && e == cudaSuccess; nt *= 2)
-                for (int wk = 1; wk <= 4 && e == cudaSuccess; wk *= 2)
-                    for (int rows = 0; rows <= (nt > 1 ? 1 : 0) && e == cudaSuccess; ++rows)
-                        e = dispatch(op, matrices, bits, nt, wk, rows != 0);
+                for (int warps = 4; warps <= (nt > 1 ? 8 : 4) && e == cudaSuccess; warps *= 2)
+                    for (int wk = 1; wk <= 4 && e == cudaSuccess; wk *= 2)
+                        for (int rows = 0; rows <= (nt > 1 ? 1 : 0) && e == cudaSuccess; ++rows)
+                            e = dispatch(op, matrices, bits, nt, wk, warps / wk, rows != 0);
     return static_cast<int>(e);
 }
 
