@@ -60,7 +60,8 @@ for step in "$@"; do
               python3 -c "import sys, torch; from pathlib import Path; from moetide.compute import lo_cuda as l; \
             l.build('%d%d' % torch.cuda.get_device_capability(), l.nvcc(), l.cache_dir(), Path(sys.argv[1]))" $f &
             done; wait
-            timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_lo_cuda.py 2>&1 | tail -12
+            timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_lo_cuda.py \
+              ${GRID_TESTS_K:+-k "$GRID_TESTS_K"} 2>&1 | tail -12
             SPECS=${GRID_SPECS:-auto,1x8,2x4,4x2,2x4/1x8}
             timeout $(T ${GRIDS_S:-200}) python3 scripts/bench_lo_cuda.py --out "$OUT/lo_grids.json" \
               --tokens ${GRID_TOKENS:-1,8,32,128,512} --max-tokens 4096 --warps-k $SPECS --reps 2 --floor --chain 8 \
