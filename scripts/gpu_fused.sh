@@ -56,10 +56,12 @@ for step in "$@"; do
               --cache-dir /tmp/moetide-cache --policies static-int2 --batch-sizes 1,32 --compile auto --skip-hf \
               --env default,MOETIDE_LO_SOURCE=$PWD/$PIPE 2>&1 | grep "^{" | cut -c1-400 ;;
     grids)  # programs of 4 and 8 warps (wk x wn) per (format, T) for each kernel source, with the floors
-            for f in src/moetide/compute/csrc/lo_mma*.cu; do  # both sources built at once, into the cache
+            builds=()  # both sources built at once, into the cache (a bare `wait` would also wait for the tee)
+            for f in src/moetide/compute/csrc/lo_mma*.cu; do
               python3 -c "import sys, torch; from pathlib import Path; from moetide.compute import lo_cuda as l; \
             l.build('%d%d' % torch.cuda.get_device_capability(), l.nvcc(), l.cache_dir(), Path(sys.argv[1]))" $f &
-            done; wait
+              builds+=($!)
+            done; wait "${builds[@]}"
             timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_lo_cuda.py \
               ${GRID_TESTS_K:+-k "$GRID_TESTS_K"} 2>&1 | tail -12
             SPECS=${GRID_SPECS:-auto,1x8,2x4,4x2,2x4/1x8}
