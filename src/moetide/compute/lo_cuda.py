@@ -13,9 +13,10 @@ MOETIDE_LO_PDL=0 turns that off).
 
 Built on first use for the device's architecture into the cache directory (MOETIDE_KERNEL_CACHE, else
 ~/.cache/moetide/kernels), under a name that hashes the source, the architecture and nvcc's version;
-a build takes ~10 s and says so on stderr. MOETIDE_LO_SOURCE names another kernel source to build and
+a build takes ~20 s and says so on stderr. MOETIDE_LO_SOURCE names another kernel source to build and
 run instead (A/B runs of two kernel versions in one process, read per call; `csrc/lo_mma_pipelined.cu`
-is such a candidate). Off (the Triton tiles everywhere) where there is no CUDA device of sm_80 or newer,
+is such a candidate, BENCHMARKS.md §0q). Programs are 4 warps (`warp_grid`); MOETIDE_LO_PROGRAM_WARPS=8
+runs 8 on blocks of 16 or more rows (twice the rows per program; not yet measured). Off (the Triton tiles everywhere) where there is no CUDA device of sm_80 or newer,
 no nvcc (PATH, CUDA_HOME), or MOETIDE_LO_CUDA=0; a failed build is reported once, in one line, and
 leaves the Triton path on.
 """
@@ -117,7 +118,7 @@ def build(arch: str, compiler: str, out_dir: Path, src: Path = SOURCE) -> Path:
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"moetide: building the low-bit CUDA kernels for sm_{arch} (once, ~10 s) ...", file=sys.stderr, flush=True)
+    print(f"moetide: building the low-bit CUDA kernels for sm_{arch} (once, ~20 s) ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
         cmd = [compiler, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--cudart", "static",
