@@ -148,13 +148,13 @@ def gpu_kernel():
     return fused_moe
 
 
-def layer(fmt: str, num_tokens: int, seed: int = 0):
+def layer(fmt: str, num_tokens: int, seed: int = 0, h: int = H, i: int = I):
     dtype = torch.bfloat16
-    lo = mixed_pool(E, I, H, dtype, seed=3) if fmt == "int2+int4" else make_pool(E, I, H, fmt, dtype, seed=2)
-    pools = [make_pool(E, I, H, "hi", dtype, seed=1), lo]
+    lo = mixed_pool(E, i, h, dtype, seed=3) if fmt == "int2+int4" else make_pool(E, i, h, fmt, dtype, seed=2)
+    pools = [make_pool(E, i, h, "hi", dtype, seed=1), lo]
     pool_of, slot_of = table(E, [E, E], seed=num_tokens + seed)
     ids, weights = routing(num_tokens, E, TOP_K, torch.float32, seed=num_tokens)
-    hidden = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(7)).to(dtype).cuda()
+    hidden = torch.randn(num_tokens, h, generator=torch.Generator().manual_seed(7)).to(dtype).cuda()
     return hidden, ids, weights, pool_of, slot_of, pools
 
 
@@ -215,27 +215,28 @@ def test_both_main_loops_equal_the_reference_on_blocks_of_16_and_32_rows(fmt, nu
 @pytest.mark.parametrize("tokens_as_rows", [False, True])
 def test_every_warp_grid_equals_the_reference(fmt, grid, tokens_as_rows, monkeypatch):
     """Programs of 4 and of 8 warps (wk along K x wn along N) on blocks of 16 rows, on both main loops,
-    and blocks of one pair on the 4-warp grids (8 warps fall back to 4 / wk along N there)."""
+    and on blocks of one pair (8 warps fall back to 4 / wk along N there). H = I = 512: every matrix's
+    K holds 4 groups or more, so each grid's wk divides it, and N whole programs of 128 rows."""
     fused_moe = gpu_kernel()
     wk, wn = grid
     monkeypatch.setattr(lo_cuda, "MAX_TOKENS", 1 << 30)
     monkeypatch.setattr(lo_cuda, "TOKENS_AS_ROWS_FROM", 0 if tokens_as_rows else 1 << 30)
     monkeypatch.setattr(lo_cuda, "warps_along_k", lambda *a: wk)
     monkeypatch.setattr(lo_cuda, "warps_along_n", lambda *a: wn)
-    real_grid = lo_cuda.warp_grid
+    real_grid, real_configs = lo_cuda.warp_grid, fused_moe.pool_configs
     grids = []
     monkeypatch.setattr(lo_cuda, "warp_grid", lambda *a: grids.append(real_grid(*a)) or grids[-1])
     for num_tokens, block_m in ((40, 16), (1, 1)):
         if block_m == 1 and tokens_as_rows:
             continue
-        real_configs = fused_moe.pool_configs
-        monkeypatch.setattr(fused_moe, "pool_configs",
-                            lambda *a, rows=block_m: [replace(c, block_m=rows) for c in real_configs(*a)])
-        hidden, ids, weights, pool_of, slot_of, pools = layer(fmt, num_tokens)
+        if block_m == 16:
+            sixteen = lambda *a: [replace(c, block_m=16) for c in real_configs(*a)]  # noqa: E731
+            monkeypatch.setattr(fused_moe, "pool_configs", sixteen)
+        hidden, ids, weights, pool_of, slot_of, pools = layer(fmt, num_tokens, h=512, i=512)
         grids.clear()
         out = fused_moe.fused_moe(hidden, ids, weights, pool_of, slot_of, pools)
         monkeypatch.setattr(fused_moe, "pool_configs", real_configs)
-        assert grids == [grid if block_m >= 16 else (wk, 4 // wk)] * 2, (num_tokens, grids)
+        assert grids == [grid if block_m == 16 else (wk, 4 // wk)] * 2, (num_tokens, grids)
         assert_close(out, reference_moe(hidden, ids, weights, pool_of, slot_of, pools, F.silu), torch.bfloat16)
 
 
