@@ -91,6 +91,9 @@ def test_programs_of_8_warps_take_blocks_of_16_rows_or_more_and_whole_programs_o
     assert lo_cuda.warp_grid(1, int2, 2048, 1024, 1) == (4, 1)
     assert lo_cuda.warp_grid(200, int2, 2048, 64 * 3, 32) == (1, 4)  # 192 rows: not whole 128-row programs
     assert lo_cuda.warp_grid(200, int2, 2048, 64 * 4, 32) == (1, 8)
+    monkeypatch.setenv("MOETIDE_LO_PROGRAM_WARPS", "16")
+    with pytest.raises(ValueError, match=r"^MOETIDE_LO_PROGRAM_WARPS must be 4 or 8, not '16'$"):
+        lo_cuda.warp_grid(64, int2, 2048, 1024, 16)
 
 
 def test_cpu_tensors_and_other_dtypes_stay_on_the_triton_path():

@@ -16,9 +16,9 @@ Built on first use for the device's architecture into the cache directory (MOETI
 a build takes ~20 s and says so on stderr. MOETIDE_LO_SOURCE names another kernel source to build and
 run instead (A/B runs of two kernel versions in one process, read per call; `csrc/lo_mma_pipelined.cu`
 is such a candidate, BENCHMARKS.md §0q). Programs are 4 warps (`warp_grid`); MOETIDE_LO_PROGRAM_WARPS=8
-runs 8 on blocks of 16 or more rows (twice the rows per program; not yet measured). Off (the Triton tiles everywhere) where there is no CUDA device of sm_80 or newer,
-no nvcc (PATH, CUDA_HOME), or MOETIDE_LO_CUDA=0; a failed build is reported once, in one line, and
-leaves the Triton path on.
+runs 8 on blocks of 16 or more rows (twice the rows per program; not yet measured). Off (the Triton
+tiles everywhere) where there is no CUDA device of sm_80 or newer, no nvcc (PATH, CUDA_HOME), or
+MOETIDE_LO_CUDA=0; a failed build is reported once, in one line, and leaves the Triton path on.
 """
 
 from __future__ import annotations
@@ -223,8 +223,11 @@ def warps_along_n(num_tokens: int, wk: int, n: int, block_m: int) -> int:
     """Warps of a program that split N, beside `warps_along_k`'s `wk`: programs of
     MOETIDE_LO_PROGRAM_WARPS (4, the default, or 8; read per call) warps, 16 * warps / wk rows of each
     matrix. Programs of 8 warps run on blocks of 16 or more rows where n is a multiple of their rows
-    (`warp_grid`)."""
-    return int(os.environ.get("MOETIDE_LO_PROGRAM_WARPS", "4")) // wk
+    (`warp_grid`). ValueError (one line) for another value."""
+    warps = os.environ.get("MOETIDE_LO_PROGRAM_WARPS", "4")
+    if warps not in ("4", "8"):
+        raise ValueError(f"MOETIDE_LO_PROGRAM_WARPS must be 4 or 8, not {warps!r}")
+    return int(warps) // wk
 
 
 def warp_grid(num_tokens: int, matrix: MatrixFormat, k: int, n: int, block_m: int) -> tuple[int, int]:
@@ -272,7 +275,8 @@ def launch(pool: Pool, pool_id: int, matrix: MatrixFormat, *, act: torch.Tensor,
     nt = max(1, block_m // 8)
     wk, wn = warp_grid(num_tokens, matrix, k, n, block_m)
     stream = torch.cuda.current_stream(act.device).cuda_stream
-    code = lib.moetide_lo_mma(ctypes.byref(args), 1 if routing is not None else 2, matrix.bits, nt, wk, wn,
-                              blocks, int(dependent), int(tokens_as_rows(num_tokens, block_m)), stream)  # fmt: skip
+    matrices, rows = 1 if routing is not None else 2, int(tokens_as_rows(num_tokens, block_m))
+    code = lib.moetide_lo_mma(ctypes.byref(args), matrices, matrix.bits, nt, wk, wn, blocks, int(dependent),
+                              rows, stream)  # fmt: skip
     if code != 0:
         raise RuntimeError(f"lo_mma launch failed: {lib.moetide_lo_error(code).decode()}")
