@@ -37,7 +37,7 @@ def kernel_source(request, monkeypatch):
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
 def test_the_ctypes_arguments_mirror_the_kernels_struct(path):
     """A field added, dropped or moved on one side only would pass every pointer one slot off."""
-    source = path.read_text()
+    source = lo_cuda.source_text(path)
     body = re.search(r"struct LoArgs \{(.*?)\};", source, re.S).group(1)
     declared = [line.split("//")[0].strip().rstrip(";") for line in body.splitlines()]
     declared = [d.rsplit(None, 1) for d in declared if d]  # (type, name)

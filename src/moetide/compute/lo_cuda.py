@@ -1,4 +1,5 @@
-"""The lo pool's projections on tensor cores (`csrc/lo_mma.cu`), built once with nvcc, called by ctypes.
+"""The lo pool's projections on tensor cores (`csrc/lo_mma.cu`, with what both kernel sources share in
+`csrc/lo_mma_common.cuh`), built once with nvcc, called by ctypes.
 
 `fused_moe` sends a packed pool's gate_up and down launches here (`eligible`) instead of to its
 Triton tiles: an int2 pool at every T, an int4 one (or one with an int4 matrix) for T <= MAX_TOKENS
@@ -26,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,11 +111,19 @@ def source() -> Path:
     return Path(os.environ.get("MOETIDE_LO_SOURCE") or SOURCE)
 
 
+def source_text(src: Path) -> str:
+    """`src` with the text of each header it includes from its own directory (`#include "..."`, e.g.
+    lo_mma_common.cuh) after it: what a build compiles, and so what its cache name hashes."""
+    text = src.read_text()
+    headers = re.findall(r'^#include "([^"]+)"', text, re.M)
+    return text + "".join((src.parent / name).read_text() for name in headers)
+
+
 def build(arch: str, compiler: str, out_dir: Path, src: Path = SOURCE) -> Path:
     """`src` (lo_mma.cu) as a shared library for `arch` ("90": sm_90) in `out_dir`: `(path)`, built unless
     there. RuntimeError (one line: nvcc's last line) if the build fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(src.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256((source_text(src) + arch + version).encode()).hexdigest()[:16]
     target = out_dir / f"lo_mma_sm{arch}_{key}.so"
     if target.exists():
         return target
