@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the fused MoE path: its tests, the per-layer kernel timings (and tuning),
 # then decode tok/s and prefill TTFT against transformers' static-cache generate. Steps named in $@:
-#   tests gputests tune retune cells mixed layer lopipe grids bench zerocopy decode qwen15 quant searcher trace
+#   tests gputests tune retune cells mixed layer lopipe grids ncu bench zerocopy decode qwen15 quant searcher trace
 # (no openai/pydantic on the GPU image: the server tests stay on the CPU)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/tests TOKENIZERS_PARALLELISM=false
@@ -76,6 +76,18 @@ for step in "$@"; do
                 python3 scripts/bench_lo_cuda.py --out "$OUT/lo_grids_$src.json" --tokens ${GRID_OTHER_TOKENS:-8,32,128,512} \
                 --max-tokens 4096 --warps-k ${GRID_OTHER_SPECS:-auto,1x8,2x4,4x2} --reps 2 2>&1 | grep -v "^  "
             done ;;
+    ncu)   # Nsight Compute on the lo kernels of one layer per NCU_CELLS cell (format:T[:program warps]): the
+           # second eager call's gate_up and down (scripts/profile_lo_ncu.py), what bounds each
+           for c in ${NCU_CELLS:-int2:128 int2:1}; do
+             IFS=: read -r f t w <<< "$c"
+             MOETIDE_LO_PROGRAM_WARPS=${w:-4} timeout $(T ${NCU_S:-90}) ncu --clock-control none \
+               --kernel-name regex:lo_mma_kernel --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+               --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+               --section SchedulerStats python3 scripts/profile_lo_ncu.py --format $f --tokens $t \
+               > "$OUT/ncu_${f}_${t}_w${w:-4}.txt" 2>&1
+             grep -E "lo_mma_kernel|Duration|Memory Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Compute \(SM\)|Achieved Occ|Registers|Stall|roofline" \
+               "$OUT/ncu_${f}_${t}_w${w:-4}.txt" | head -40
+           done ;;
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \
              | grep -v "Warn\|Loading\|it/s\]" ;;
     zerocopy) timeout $(T 60) python3 scripts/probe_zero_copy.py --out "$OUT/zero_copy.json" ;;
