@@ -46,15 +46,17 @@ for step in "$@"; do
            [ -f "$OUT/fused_moe_configs.json" ] && cp "$OUT/fused_moe_configs.json" src/moetide/compute/ ;;
     layer) timeout $(T 120) python3 scripts/profile_fused_layer.py --out "$OUT/layer_kernels.json" --tokens 1,8,32,128 \
              --formats ${LAYER_FORMATS:-int2,int4,bfloat16} 2>&1 | tail -14 ;;
-    lopipe) # the pipelined candidate of the lo kernels (csrc/lo_mma_pipelined.cu) against lo_mma.cu: the GPU
-            # tests of both, one layer per (format, T) with the floors, static-int2 decode in one process
-            PIPE=src/moetide/compute/csrc/lo_mma_pipelined.cu
+    lopipe) # other kernel sources (AGAINST, comma-separated; default the pipelined candidate
+            # csrc/lo_mma_pipelined.cu) against lo_mma.cu: lo_mma.cu's GPU tests, one layer per (format, T) with the
+            # floors, static-int2 decode with the first of them in one process
+            AGAINST=${AGAINST:-src/moetide/compute/csrc/lo_mma_pipelined.cu}
             timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_lo_cuda.py 2>&1 | tail -12
-            timeout $(T ${LOPIPE_S:-200}) python3 scripts/bench_lo_cuda.py --out "$OUT/lo_pipe.json" --tokens 1,8,32,128,512 \
-              --max-tokens 4096 --warps-k auto --reps 2 --against-source $PIPE --floor --chain 8 --kernels 2>&1 | grep -v "^  "
+            timeout $(T ${LOPIPE_S:-200}) python3 scripts/bench_lo_cuda.py --out "$OUT/lo_pipe.json" \
+              --tokens ${LOPIPE_TOKENS:-1,8,32,128,512} --max-tokens 4096 --warps-k auto --reps 2 --against-source $AGAINST \
+              ${LOPIPE_ARGS:---floor --chain 8} --kernels 2>&1 | grep -v "^  "
             timeout $(T ${DECODE_S:-180}) python3 scripts/bench_decode_step.py --out "$OUT/decode_lo_pipe.json" --prefill 0 \
               --cache-dir /tmp/moetide-cache --policies static-int2 --batch-sizes 1,32 --compile auto --skip-hf \
-              --env default,MOETIDE_LO_SOURCE=$PWD/$PIPE 2>&1 | grep "^{" | cut -c1-400 ;;
+              --env default,MOETIDE_LO_SOURCE=$PWD/${AGAINST%%,*} 2>&1 | grep "^{" | cut -c1-400 ;;
     grids)  # programs of 4 and 8 warps (wk x wn) per (format, T) for each kernel source, with the floors
             builds=()  # both sources built at once, into the cache (a bare `wait` would also wait for the tee)
             for f in src/moetide/compute/csrc/lo_mma*.cu; do
@@ -78,15 +80,16 @@ for step in "$@"; do
             done ;;
     ncu)   # Nsight Compute on the lo kernels of one layer per NCU_CELLS cell (format:T[:program warps]): the
            # second eager call's gate_up and down (scripts/profile_lo_ncu.py), what bounds each
+           KEEP="lo_mma_kernel|Duration|Throughput|L1/TEX Hit|L2 Hit|Achieved Occ|Registers|roofline|stalled_"
            for c in ${NCU_CELLS:-int2:128 int2:1}; do
              IFS=: read -r f t w <<< "$c"
              MOETIDE_LO_PROGRAM_WARPS=${w:-4} timeout $(T ${NCU_S:-90}) ncu --clock-control none \
                --kernel-name regex:lo_mma_kernel --launch-skip 2 --launch-count 2 --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
-               --section SchedulerStats python3 scripts/profile_lo_ncu.py --format $f --tokens $t \
+               --section SchedulerStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+               python3 scripts/profile_lo_ncu.py --format $f --tokens $t \
                > "$OUT/ncu_${f}_${t}_w${w:-4}.txt" 2>&1
-             grep -E "lo_mma_kernel|Duration|Memory Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Compute \(SM\)|Achieved Occ|Registers|Stall|roofline" \
-               "$OUT/ncu_${f}_${t}_w${w:-4}.txt" | head -40
+             grep -E "$KEEP" "$OUT/ncu_${f}_${t}_w${w:-4}.txt" | head -60
            done ;;
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \
              | grep -v "Warn\|Loading\|it/s\]" ;;

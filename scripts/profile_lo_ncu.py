@@ -41,7 +41,8 @@ def main() -> int:
         fm.fused_moe(x, ids, weights, pool_of, slot_of, [pool])
     torch.cuda.synchronize()
     roof_us = layer_bytes(pool, ids, hidden) / ROOFLINE_BYTES_S * 1e6
-    print(f"{args.format} T={args.tokens}: layer roofline {roof_us:.2f} us, {int(torch.unique(ids).numel())} experts")
+    used = int(torch.unique(ids).numel())
+    print(f"{args.format} T={args.tokens}: layer roofline {roof_us:.2f} us, {used} experts")
     return 0
 
 

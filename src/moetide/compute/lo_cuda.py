@@ -17,9 +17,10 @@ Built on first use for the device's architecture into the cache directory (MOETI
 a build takes ~20 s and says so on stderr. MOETIDE_LO_SOURCE names another kernel source to build and
 run instead (A/B runs of two kernel versions in one process, read per call; `csrc/lo_mma_pipelined.cu`
 is such a candidate, BENCHMARKS.md §0q). Programs are 4 warps (`warp_grid`); MOETIDE_LO_PROGRAM_WARPS=8
-runs 8 on blocks of 16 or more rows (twice the rows per program; not yet measured). Off (the Triton
-tiles everywhere) where there is no CUDA device of sm_80 or newer, no nvcc (PATH, CUDA_HOME), or
-MOETIDE_LO_CUDA=0; a failed build is reported once, in one line, and leaves the Triton path on.
+runs 8 on blocks of 16 or more rows (twice the rows per program; slower in every cell on an H100,
+BENCHMARKS.md §0r). Off (the Triton tiles everywhere) where there is no CUDA device of sm_80 or newer,
+no nvcc (PATH, CUDA_HOME), or MOETIDE_LO_CUDA=0; a failed build is reported once, in one line, and
+leaves the Triton path on.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
 // Status: a candidate to replace lo_mma.cu, with the same `LoArgs`, entry point and results. On an
 // H100 (BENCHMARKS.md §0q) every GPU test passes; on programs of 4 warps it is 1-16 % slower than
 // lo_mma.cu up to 128 tokens, equal in decode, and 14-21 % faster at 512 tokens (tokens as the MMA's
-// rows, 1 x 4 warps: one staged copy of the activations read by 4 warps); its programs of 8 warps
-// are not yet measured. MOETIDE_LO_SOURCE=<this file> builds and runs it in place of lo_mma.cu
-// (`lo_cuda.source`); tests/test_lo_cuda.py runs its GPU tests for both sources, and
+// rows, 1 x 4 warps: one staged copy of the activations read by 4 warps). Its programs of 8 warps
+// (§0r) beat its own 4-warp ones at 32 and 128 tokens, and lo_mma.cu by 8 % for int4 at 32 tokens
+// (163.6 against 176.9 µs); for int2 they tie lo_mma.cu. MOETIDE_LO_SOURCE=<this file> builds and
+// runs it in place of lo_mma.cu (`lo_cuda.source`); tests/test_lo_cuda.py runs its GPU tests for both sources, and
 // `scripts/bench_lo_cuda.py --against-source <this file>` times it against lo_mma.cu in one process.
 // Its index arithmetic (copies that cover every chunk of a stage once, reads that find the bytes
 // lo_mma.cu loads from global memory, conflict-free activation reads) is checked without a GPU by
