@@ -50,7 +50,8 @@ for step in "$@"; do
             # csrc/lo_mma_pipelined.cu) against lo_mma.cu: lo_mma.cu's GPU tests, one layer per (format, T) with the
             # floors, static-int2 decode with the first of them in one process
             AGAINST=${AGAINST:-src/moetide/compute/csrc/lo_mma_pipelined.cu}
-            timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_lo_cuda.py 2>&1 | tail -12
+            timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_lo_cuda.py \
+              ${LOPIPE_TESTS_K:+-k "$LOPIPE_TESTS_K"} 2>&1 | tail -12
             timeout $(T ${LOPIPE_S:-200}) python3 scripts/bench_lo_cuda.py --out "$OUT/lo_pipe.json" \
               --tokens ${LOPIPE_TOKENS:-1,8,32,128,512} --max-tokens 4096 --warps-k auto --reps 2 --against-source $AGAINST \
               ${LOPIPE_ARGS:---floor --chain 8} --kernels 2>&1 | grep -v "^  "

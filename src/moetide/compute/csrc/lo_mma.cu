@@ -174,11 +174,22 @@ __device__ __forceinline__ void tokens_as_rows(float (&acc)[NM][NT][4], const Lo
 
 }  // namespace
 
+// Programs of `lo_mma_kernel` an SM holds at once, as its launch bound (nvcc caps the registers to fit):
+// down at one token tile 8 (`kMinPrograms`); with the weights as the MMA's rows, two or more token
+// tiles and K split between warps (the grids of 5 to 128 tokens), 16 warps of gate_up and 20 of down
+// (at most 128 and 102 registers at 4 warps a program, none spilled on sm_90: the kernels wait on
+// memory at 12 to 16 warps an SM, and this made the int2 layer 3-6 % faster from 8 to 128 tokens,
+// BENCHMARKS.md §0s); else as the compiler chooses (1 warp along K at 4 token tiles would spill).
+template <int NM, int NT, int WK, int WN, bool TOKENS_AS_ROWS>
+constexpr int kResidentPrograms =
+    NT == 1 || TOKENS_AS_ROWS || WK == 1 ? kMinPrograms<NM, NT> : (NM == 2 ? 16 : 20) / (WK * WN);
+
 // NM matrices (1: down, 2: gate_up), NT n8 tiles of tokens, WK x WN warps. Down (NM 1) may run as a
 // programmatic dependent of gate_up: it finds its rows, starts their loads and waits for h only then
 // (`wait_for_the_grid_before`); it writes nothing before that wait.
 template <int BITS, int NM, int NT, int WK, int WN, bool TOKENS_AS_ROWS>
-__global__ void __launch_bounds__(32 * WK * WN, (kMinPrograms<NM, NT>)) lo_mma_kernel(const LoArgs a) {
+__global__ void __launch_bounds__(32 * WK * WN, (kResidentPrograms<NM, NT, WK, WN, TOKENS_AS_ROWS>))
+    lo_mma_kernel(const LoArgs a) {
     launch_dependents();
     const int b = blockIdx.x;
     const long long expert = a.experts_i64 ? reinterpret_cast<const long long*>(a.block_expert)[b]
