@@ -4,12 +4,13 @@ rows beside bf16 hi slots, for every T they take (`takes_tokens`), in a CUDA gra
 in flight, and end to end (greedy tokens of the demo model equal the dequantize reference); every GPU
 test runs the kernels of both sources, lo_mma.cu and the pipelined candidate (`kernel_source`). On the
 CPU: the build's error, the ctypes mirror of each source's arguments, the source switch, and (where
-nvcc is installed) the candidate's build."""
+nvcc is installed) the candidate's build and lo_mma.cu's launch bound without register spills."""
 
 from __future__ import annotations
 
 import ctypes
 import re
+import subprocess
 from dataclasses import replace
 
 import pytest
@@ -79,6 +80,25 @@ def test_the_pipelined_source_builds_for_sm_90_with_both_entry_points(tmp_path):
     built = lo_cuda.build("90", lo_cuda.nvcc(), tmp_path, PIPELINED)
     symbols = built.read_bytes()
     assert all(name in symbols for name in (b"moetide_lo_mma", b"moetide_lo_error", b"moetide_lo_prepare"))
+
+
+@pytest.mark.skipif(lo_cuda.nvcc() is None, reason="needs nvcc")
+def test_the_launch_bound_of_the_decode_grids_spills_no_register(tmp_path):
+    """`kResidentPrograms` caps the registers of the weights-as-rows kernels of 2 and 4 token tiles at
+    2 and 4 warps along K (the grids of 5 to 128 tokens) so that 16 / 20 warps fit an SM; a cap that
+    made nvcc spill to local memory would cost more than the occupancy gains (BENCHMARKS.md §0s)."""
+    cmd = [lo_cuda.nvcc(), "-O3", "-std=c++17", "-cubin", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v",
+           str(lo_cuda.SOURCE), "-o", str(tmp_path / "lo_mma.cubin")]  # fmt: skip
+    report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    spills, kernel = {}, None
+    for line in report.splitlines():
+        if found := re.search(r"lo_mma_kernelILi(\d)ELi(\d)ELi(\d)ELi(\d)ELi(\d)ELb([01])", line):
+            kernel = tuple(int(v) for v in found.groups())  # (bits, matrices, nt, wk, wn, tokens as rows)
+        elif kernel and (found := re.search(r"(\d+) bytes spill stores", line)):
+            spills[kernel] = int(found.group(1))
+    bounded = [k for k in spills if k[2] > 1 and k[3] > 1 and k[3] * k[4] == 4 and not k[5]]
+    assert len(bounded) == 16  # int2 / int4, gate_up / down, 2 / 4 tiles, 2 x 2 / 4 x 1 warps
+    assert {k: spills[k] for k in bounded if spills[k]} == {}
 
 
 def test_programs_of_8_warps_take_blocks_of_16_rows_or_more_and_whole_programs_of_rows(monkeypatch):
