@@ -42,7 +42,6 @@ __device__ __forceinline__ void weights_as_rows(float (&acc)[NM][NT][4], const L
             scales[m][h] = params + a.scale_off + r;
             offsets[m][h] = params + a.offset_off + r;
         }
-    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
     GroupWords cur[NM], nxt[NM];
     __half s_cur[NM][2], o_cur[NM][2], s_nxt[NM][2], o_nxt[NM][2];
 #pragma unroll
@@ -66,28 +65,7 @@ __device__ __forceinline__ void weights_as_rows(float (&acc)[NM][NT][4], const L
             if (j >= nt_used) continue;
             GroupActs<BITS> x;
             load_acts<BITS>(x, x_rows[j] + (long long)gi * a.group, t);
-            float part[NM][4] = {}, xsum[4] = {};
-#pragma unroll
-            for (int q = 0; q < kTilesPerGroup<BITS>; ++q) {
-                uint32_t b0, b1;
-                b_fragment<BITS>(b0, b1, x, q);
-                mma(xsum, ones, b0, b1);
-#pragma unroll
-                for (int m = 0; m < NM; ++m) {
-                    uint32_t af[4];
-                    a_fragment<BITS>(af, cur[m], q);
-                    mma(part[m], af, b0, b1);
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < NM; ++m) {  // rows g (i = 0, 1) and g + 8 (i = 2, 3)
-                const float s0 = __half2float(s_cur[m][0]), s1 = __half2float(s_cur[m][1]);
-                const float o0 = __half2float(o_cur[m][0]), o1 = __half2float(o_cur[m][1]);
-                acc[m][j][0] = scaled(acc[m][j][0], part[m][0], xsum[0], s0, o0);
-                acc[m][j][1] = scaled(acc[m][j][1], part[m][1], xsum[1], s0, o0);
-                acc[m][j][2] = scaled(acc[m][j][2], part[m][2], xsum[2], s1, o1);
-                acc[m][j][3] = scaled(acc[m][j][3], part[m][3], xsum[3], s1, o1);
-            }
+            tile_weights_as_rows<BITS, NM, NT>(acc, j, cur, x, s_cur, o_cur);
         }
 #pragma unroll
         for (int m = 0; m < NM; ++m) {
@@ -142,30 +120,7 @@ __device__ __forceinline__ void tokens_as_rows(float (&acc)[NM][NT][4], const Lo
             GroupActs<BITS> x0, x1;  // tokens 16 jj + g and 16 jj + 8 + g
             load_acts<BITS>(x0, x_rows[2 * jj] + (long long)gi * a.group, t);
             load_acts<BITS>(x1, x_rows[2 * jj + 1] + (long long)gi * a.group, t);
-            float part[NM][2][4] = {}, xsum[4] = {};
-#pragma unroll
-            for (int q = 0; q < kTilesPerGroup<BITS>; ++q) {
-                uint32_t act[4];
-                b_fragment<BITS>(act[0], act[2], x0, q);
-                b_fragment<BITS>(act[1], act[3], x1, q);
-                mma(xsum, act, kOnes, kOnes);
-#pragma unroll
-                for (int m = 0; m < NM; ++m) {
-                    uint32_t w[4];
-                    a_fragment<BITS>(w, cur[m], q);
-                    mma(part[m][0], act, w[0], w[2]);
-                    mma(part[m][1], act, w[1], w[3]);
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < NM; ++m)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        float& sum = acc[m][2 * jj + h][i];
-                        sum = scaled(sum, part[m][h][i], xsum[i], s[m][2 * h + i % 2], o[m][2 * h + i % 2]);
-                    }
+            tiles_tokens_as_rows<BITS, NM, NT>(acc, jj, cur, x0, x1, s, o);
         }
 #pragma unroll
         for (int m = 0; m < NM; ++m) cur[m] = nxt[m];

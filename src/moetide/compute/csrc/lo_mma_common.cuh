@@ -1,8 +1,10 @@
 // What both lo kernel sources share (lo_mma.cu, and the candidate lo_mma_pipelined.cu, which stages
 // the same operands through shared memory): the kernels' arguments, the tensor-core algebra on packed
-// rows, the steps around each main loop (a block's copy wait, its token tiles, the K parts' sums, the
-// epilogue), the launch and the dispatch over the instantiations. Each source defines `lo_mma_kernel`,
-// a `LaunchOne` op that launches one instantiation of it (`launch_programs`), and `moetide_lo_mma`.
+// rows, both main loops' work on a group's loaded words and activations (`tile_weights_as_rows`,
+// `tiles_tokens_as_rows`), the steps around each main loop (a block's copy wait, its token tiles, the K
+// parts' sums, the epilogue), the launch and the dispatch over the instantiations. Each source defines
+// `lo_mma_kernel`, a `LaunchOne` op that launches one instantiation of it (`launch_programs`), and
+// `moetide_lo_mma`.
 //
 // One kernel template serves gate_up (two matrices: the gate rows and the up rows of the same h
 // columns, SiLU·mul in the epilogue, h stored in bf16) and down (one matrix, the routing weight in
@@ -186,6 +188,77 @@ constexpr int kTilesPerGroup = BITS == 2 ? 8 : 4;
 // The group's sums into the accumulators, in float32: s D + (o - 128 s) X.
 __device__ __forceinline__ float scaled(float acc, float part, float xsum, float s, float o) {
     return fmaf(s, part, fmaf(o - 128.f * s, xsum, acc));
+}
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+// One token tile j of one group with the weight rows as the MMA's rows (operand A, 16 rows of each
+// matrix from its words `w`) and the tile's tokens as its columns (B, from `x`): the group's codes
+// unpacked for this tile, an MMA of ones for X, the sums scaled into acc[m][j] (s, o: rows g and g + 8, float
+// or float16).
+template <int BITS, int NM, int NT, class Scale>
+__device__ __forceinline__ void tile_weights_as_rows(float (&acc)[NM][NT][4], int j,
+                                                     const GroupWords (&w)[NM], const GroupActs<BITS>& x,
+                                                     const Scale (&s)[NM][2], const Scale (&o)[NM][2]) {
+    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+    float part[NM][4] = {}, xsum[4] = {};
+#pragma unroll
+    for (int q = 0; q < kTilesPerGroup<BITS>; ++q) {
+        uint32_t b0, b1;
+        b_fragment<BITS>(b0, b1, x, q);
+        mma(xsum, ones, b0, b1);
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            uint32_t af[4];
+            a_fragment<BITS>(af, w[m], q);
+            mma(part[m], af, b0, b1);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {  // rows g (i = 0, 1) and g + 8 (i = 2, 3)
+        const float s0 = to_float(s[m][0]), s1 = to_float(s[m][1]);
+        const float o0 = to_float(o[m][0]), o1 = to_float(o[m][1]);
+        acc[m][j][0] = scaled(acc[m][j][0], part[m][0], xsum[0], s0, o0);
+        acc[m][j][1] = scaled(acc[m][j][1], part[m][1], xsum[1], s0, o0);
+        acc[m][j][2] = scaled(acc[m][j][2], part[m][2], xsum[2], s1, o1);
+        acc[m][j][3] = scaled(acc[m][j][3], part[m][3], xsum[3], s1, o1);
+    }
+}
+
+// Token tiles 2 jj and 2 jj + 1 of one group with the tokens as the MMA's rows (operand A: the B
+// fragments of `x0`, `x1`, 16 tokens) and the weight rows as its columns (B: rows n0 + g and n0 + 8 + g,
+// the A fragment's registers 0, 2 and 1, 3): the codes unpacked once per 16 tokens, one MMA of ones,
+// the sums scaled into acc[m][2 jj + h] (s, o[m][r]: the lane's rows r = 2 h + i % 2).
+template <int BITS, int NM, int NT>
+__device__ __forceinline__ void tiles_tokens_as_rows(float (&acc)[NM][NT][4], int jj,
+                                                     const GroupWords (&w)[NM], const GroupActs<BITS>& x0,
+                                                     const GroupActs<BITS>& x1,
+                                                     const float (&s)[NM][4], const float (&o)[NM][4]) {
+    float part[NM][2][4] = {}, xsum[4] = {};
+#pragma unroll
+    for (int q = 0; q < kTilesPerGroup<BITS>; ++q) {
+        uint32_t act[4];
+        b_fragment<BITS>(act[0], act[2], x0, q);
+        b_fragment<BITS>(act[1], act[3], x1, q);
+        mma(xsum, act, kOnes, kOnes);
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            uint32_t wf[4];
+            a_fragment<BITS>(wf, w[m], q);
+            mma(part[m][0], act, wf[0], wf[2]);
+            mma(part[m][1], act, wf[1], wf[3]);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float& sum = acc[m][2 * jj + h][i];
+                sum = scaled(sum, part[m][h][i], xsum[i], s[m][2 * h + i % 2], o[m][2 * h + i % 2]);
+            }
 }
 
 // The (token column, output row) of accumulator i of token tile j (see the two main loops).

@@ -114,32 +114,12 @@ template <int BITS, int NM, int NT>
 __device__ __forceinline__ void weights_as_rows(float (&acc)[NM][NT][4], const GroupWords (&w)[NM],
                                                 const float (&s)[NM][2], const float (&o)[NM][2], const uint4* acts,
                                                 const int (&act_row)[NT], int t, int nt_used) {
-    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         if (j >= nt_used) continue;
         GroupActs<BITS> x;
         load_acts<BITS>(x, acts, act_row[j], t);
-        float part[NM][4] = {}, xsum[4] = {};
-#pragma unroll
-        for (int q = 0; q < kTilesPerGroup<BITS>; ++q) {
-            uint32_t b0, b1;
-            b_fragment<BITS>(b0, b1, x, q);
-            mma(xsum, ones, b0, b1);
-#pragma unroll
-            for (int m = 0; m < NM; ++m) {
-                uint32_t af[4];
-                a_fragment<BITS>(af, w[m], q);
-                mma(part[m], af, b0, b1);
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < NM; ++m) {  // rows g (i = 0, 1) and g + 8 (i = 2, 3)
-            acc[m][j][0] = scaled(acc[m][j][0], part[m][0], xsum[0], s[m][0], o[m][0]);
-            acc[m][j][1] = scaled(acc[m][j][1], part[m][1], xsum[1], s[m][0], o[m][0]);
-            acc[m][j][2] = scaled(acc[m][j][2], part[m][2], xsum[2], s[m][1], o[m][1]);
-            acc[m][j][3] = scaled(acc[m][j][3], part[m][3], xsum[3], s[m][1], o[m][1]);
-        }
+        tile_weights_as_rows<BITS, NM, NT>(acc, j, w, x, s, o);
     }
 }
 
@@ -161,30 +141,7 @@ __device__ __forceinline__ void tokens_as_rows(float (&acc)[NM][NT][4], const Gr
         GroupActs<BITS> x0, x1;  // tokens 16 jj + g and 16 jj + 8 + g
         load_acts<BITS>(x0, acts, 16 * jj + g, t);
         load_acts<BITS>(x1, acts, 16 * jj + 8 + g, t);
-        float part[NM][2][4] = {}, xsum[4] = {};
-#pragma unroll
-        for (int q = 0; q < kTilesPerGroup<BITS>; ++q) {
-            uint32_t act[4];
-            b_fragment<BITS>(act[0], act[2], x0, q);
-            b_fragment<BITS>(act[1], act[3], x1, q);
-            mma(xsum, act, kOnes, kOnes);
-#pragma unroll
-            for (int m = 0; m < NM; ++m) {
-                uint32_t wf[4];
-                a_fragment<BITS>(wf, w[m], q);
-                mma(part[m][0], act, wf[0], wf[2]);
-                mma(part[m][1], act, wf[1], wf[3]);
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < NM; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float& sum = acc[m][2 * jj + h][i];
-                    sum = scaled(sum, part[m][h][i], xsum[i], s[m][2 * h + i % 2], o[m][2 * h + i % 2]);
-                }
+        tiles_tokens_as_rows<BITS, NM, NT>(acc, jj, w, x0, x1, s, o);
     }
 }
 
