@@ -80,7 +80,8 @@ for step in "$@"; do
                 --max-tokens 4096 --warps-k ${GRID_OTHER_SPECS:-auto,1x8,2x4,4x2} --reps 2 2>&1 | grep -v "^  "
             done ;;
     ncu)   # Nsight Compute on the lo kernels of one layer per NCU_CELLS cell (format:T[:program warps]): the
-           # second eager call's gate_up and down (scripts/profile_lo_ncu.py), what bounds each
+           # second eager call's gate_up and down (scripts/profile_lo_ncu.py), what bounds each; NCU_SOURCE=1
+           # also samples each SASS instruction's stalls (src_*.csv.gz, scripts/ncu_source_stalls.py)
            KEEP="lo_mma_kernel|Duration|Throughput|L1/TEX Hit|L2 Hit|Achieved Occ|Registers|roofline|stalled_"
            for c in ${NCU_CELLS:-int2:128 int2:1}; do
              IFS=: read -r f t w <<< "$c"
@@ -91,6 +92,16 @@ for step in "$@"; do
                python3 scripts/profile_lo_ncu.py --format $f --tokens $t \
                > "$OUT/ncu_${f}_${t}_w${w:-4}.txt" 2>&1
              grep -E "$KEEP" "$OUT/ncu_${f}_${t}_w${w:-4}.txt" | head -60
+             if [ -n "${NCU_SOURCE:-}" ]; then  # per-SASS warp-state samples: where each kernel waits
+               rep="$OUT/src_${f}_${t}_w${w:-4}"
+               MOETIDE_LO_PROGRAM_WARPS=${w:-4} timeout $(T ${NCU_S:-90}) ncu --clock-control none \
+                 --kernel-name regex:lo_mma_kernel --launch-skip 2 --launch-count 2 --section SourceCounters \
+                 --section WarpStateStats --import-source no -o "$rep" \
+                 python3 scripts/profile_lo_ncu.py --format $f --tokens $t > /dev/null 2>&1
+               ncu -i "$rep.ncu-rep" --page source --csv --print-source sass | gzip -9 > "$rep.csv.gz"
+               rm -f "$rep.ncu-rep"
+               python3 scripts/ncu_source_stalls.py "$rep.csv.gz" --top 8
+             fi
            done ;;
     bench) timeout $(T ${BENCH_S:-260}) python3 scripts/bench_decode_step.py --out "$OUT/decode_step.json" ${BENCH_ARGS:-} 2>&1 \
              | grep -v "Warn\|Loading\|it/s\]" ;;
