@@ -1,6 +1,7 @@
-"""scripts/lo_sass.py, no GPU or compiler needed: the scheduling controls read from real ptxas output
-(sm_90, lo_mma.cu's int2 gate_up kernel), the main loop found, and a wait traced to the load that set
-its scoreboard, in the same iteration or the one before."""
+"""scripts/lo_sass.py without a GPU: the scheduling controls read from real ptxas output (sm_90,
+lo_mma.cu's int2 gate_up kernel), the main loop found, and a wait traced to the load that set its
+scoreboard, in the same iteration or the one before (no compiler needed); with nvcc, an instantiation
+the dispatch never builds refused in one line."""
 
 from __future__ import annotations
 
