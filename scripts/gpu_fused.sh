@@ -12,6 +12,19 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 git log --oneline -1 2>/dev/null
 DEADLINE=${DEADLINE:-580}
 T() { local left=$((DEADLINE - SECONDS)); [ $left -lt 1 ] && left=1; if [ $left -lt $1 ]; then echo $left; else echo $1; fi; }
+# static-int2 decode at batch 1 and 32, compiled, the run's own kernels then with $2 set: $OUT/$1.json
+static_int2_ab() {
+  timeout $(T ${DECODE_S:-180}) python3 scripts/bench_decode_step.py --out "$OUT/$1.json" --prefill 0 \
+    --cache-dir /tmp/moetide-cache --policies static-int2 --batch-sizes 1,32 --compile auto --skip-hf \
+    --env "default,$2" 2>&1 | grep "^{" | cut -c1-400
+}
+# Nsight Compute, with the options in $@, on the second eager call's gate_up and down of the lo kernels at
+# format $f, $t tokens, programs of ${w:-4} warps (scripts/profile_lo_ncu.py)
+ncu_cell() {
+  MOETIDE_LO_PROGRAM_WARPS=${w:-4} timeout $(T ${NCU_S:-90}) ncu --clock-control none \
+    --kernel-name regex:lo_mma_kernel --launch-skip 2 --launch-count 2 "$@" \
+    python3 scripts/profile_lo_ncu.py --format $f --tokens $t
+}
 for step in "$@"; do
   echo "=== $step $(date +%T), $((DEADLINE - SECONDS)) s left"
   case "$step" in
@@ -55,9 +68,7 @@ for step in "$@"; do
             timeout $(T ${LOPIPE_S:-200}) python3 scripts/bench_lo_cuda.py --out "$OUT/lo_pipe.json" \
               --tokens ${LOPIPE_TOKENS:-1,8,32,128,512} --max-tokens 4096 --warps-k auto --reps 2 --against-source $AGAINST \
               ${LOPIPE_ARGS:---floor --chain 8} --kernels 2>&1 | grep -v "^  "
-            timeout $(T ${DECODE_S:-180}) python3 scripts/bench_decode_step.py --out "$OUT/decode_lo_pipe.json" --prefill 0 \
-              --cache-dir /tmp/moetide-cache --policies static-int2 --batch-sizes 1,32 --compile auto --skip-hf \
-              --env default,MOETIDE_LO_SOURCE=$PWD/${AGAINST%%,*} 2>&1 | grep "^{" | cut -c1-400 ;;
+            static_int2_ab decode_lo_pipe "MOETIDE_LO_SOURCE=$PWD/${AGAINST%%,*}" ;;
     grids)  # programs of 4 and 8 warps (wk x wn) per (format, T) for each kernel source, with the floors
             builds=()  # both sources built at once, into the cache (a bare `wait` would also wait for the tee)
             for f in src/moetide/compute/csrc/lo_mma*.cu; do
@@ -71,9 +82,7 @@ for step in "$@"; do
             timeout $(T ${GRIDS_S:-200}) python3 scripts/bench_lo_cuda.py --out "$OUT/lo_grids.json" \
               --tokens ${GRID_TOKENS:-1,8,32,128,512} --max-tokens 4096 --warps-k $SPECS --reps 2 --floor --chain 8 \
               2>&1 | grep -v "^  "
-            timeout $(T ${DECODE_S:-180}) python3 scripts/bench_decode_step.py --out "$OUT/decode_grids.json" --prefill 0 \
-              --cache-dir /tmp/moetide-cache --policies static-int2 --batch-sizes 1,32 --compile auto --skip-hf \
-              --env default,MOETIDE_LO_PROGRAM_WARPS=8 2>&1 | grep "^{" | cut -c1-300
+            static_int2_ab decode_grids MOETIDE_LO_PROGRAM_WARPS=8
             for src in ${GRID_SOURCES:-lo_mma_pipelined}; do
               MOETIDE_LO_SOURCE=$PWD/src/moetide/compute/csrc/$src.cu timeout $(T ${GRIDS_S:-200}) \
                 python3 scripts/bench_lo_cuda.py --out "$OUT/lo_grids_$src.json" --tokens ${GRID_OTHER_TOKENS:-8,32,128,512} \
@@ -85,19 +94,14 @@ for step in "$@"; do
            KEEP="lo_mma_kernel|Duration|Throughput|L1/TEX Hit|L2 Hit|Achieved Occ|Registers|roofline|stalled_"
            for c in ${NCU_CELLS:-int2:128 int2:1}; do
              IFS=: read -r f t w <<< "$c"
-             MOETIDE_LO_PROGRAM_WARPS=${w:-4} timeout $(T ${NCU_S:-90}) ncu --clock-control none \
-               --kernel-name regex:lo_mma_kernel --launch-skip 2 --launch-count 2 --section SpeedOfLight \
-               --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
-               --section SchedulerStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-               python3 scripts/profile_lo_ncu.py --format $f --tokens $t \
+             ncu_cell --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+               --section Occupancy --section LaunchStats --section SchedulerStats \
+               --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
                > "$OUT/ncu_${f}_${t}_w${w:-4}.txt" 2>&1
              grep -E "$KEEP" "$OUT/ncu_${f}_${t}_w${w:-4}.txt" | head -60
              if [ -n "${NCU_SOURCE:-}" ]; then  # per-SASS warp-state samples: where each kernel waits
                rep="$OUT/src_${f}_${t}_w${w:-4}"
-               MOETIDE_LO_PROGRAM_WARPS=${w:-4} timeout $(T ${NCU_S:-90}) ncu --clock-control none \
-                 --kernel-name regex:lo_mma_kernel --launch-skip 2 --launch-count 2 --section SourceCounters \
-                 --section WarpStateStats --import-source no -o "$rep" \
-                 python3 scripts/profile_lo_ncu.py --format $f --tokens $t > /dev/null 2>&1
+               ncu_cell --section SourceCounters --section WarpStateStats --import-source no -o "$rep" > /dev/null 2>&1
                ncu -i "$rep.ncu-rep" --page source --csv --print-source sass | gzip -9 > "$rep.csv.gz"
                rm -f "$rep.ncu-rep"
                python3 scripts/ncu_source_stalls.py "$rep.csv.gz" --top 8

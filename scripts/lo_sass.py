@@ -120,9 +120,15 @@ def mangled(bits: int, matrices: int, nt: int, wk: int, wn: int, tokens_as_rows:
 
 
 def cuobjdump() -> str:
-    bundled = Path(sys.prefix) / "lib"
-    for candidate in sorted(bundled.glob("python3*/site-packages/triton/backends/nvidia/bin/cuobjdump")):
-        return str(candidate)
+    """Triton's cuobjdump (beside the nvdisasm `sass_histogram.py` uses), else one on PATH."""
+    try:
+        import triton
+
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
     found = shutil.which("cuobjdump")
     if found is None:
         raise SystemExit("lo_sass: no cuobjdump (Triton's or on PATH)")
@@ -162,7 +168,7 @@ def report(instrs: list[Instr], listing: bool = False) -> str:
     lines.append("  opcodes: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(14)))
     lines.append("  waits on a load's result:")
     for ins, sb, setter, same in waits_in_loop(instrs, loop):
-        if setter.opcode.startswith(("LDG", "LDS", "LD.", "LDGSTS")):
+        if setter.opcode.startswith(("LDG", "LDS", "LD.")):
             when = "this iteration" if same else "the iteration before"
             lines.append(f"    {ins.addr:#06x} {ins.text[:44]:44s} SB{sb} <- {setter.addr:#06x} "
                          f"{setter.text[:40]} ({when})")  # fmt: skip

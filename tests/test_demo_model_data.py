@@ -164,13 +164,9 @@ def test_chat_template_and_end_of_turn(demo_tokenizer):
 
 
 def _training_script():
-    import importlib.util
+    from script_module import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
-    spec = importlib.util.spec_from_file_location("train_demo_model", path)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    return train
+    return load_script("train_demo_model")
 
 
 def test_model_card_is_what_the_script_renders_from_the_shipped_training_stats():

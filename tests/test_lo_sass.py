@@ -5,17 +5,12 @@ the dispatch never builds refused in one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
+from script_module import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("lo_sass", ROOT / "scripts" / "lo_sass.py")
-lo_sass = sys.modules["lo_sass"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lo_sass)
+lo_sass = load_script("lo_sass")
 
 # three instructions of lo_mma_kernel<2, 2, 2, 2, 2, false> as cuobjdump printed them (nvcc 13.0, sm_90;
 # runs of spaces shortened)

@@ -4,16 +4,10 @@ read once, and an export without the source counters refused in one line."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from script_module import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ncu_source_stalls", ROOT / "scripts" / "ncu_source_stalls.py")
-stalls = sys.modules["ncu_source_stalls"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(stalls)
+stalls = load_script("ncu_source_stalls")
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)",'
           '"Warp Stall Sampling (Not-issued Samples)","Instructions Executed",'
