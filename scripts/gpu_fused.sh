@@ -70,12 +70,7 @@ for step in "$@"; do
               ${LOPIPE_ARGS:---floor --chain 8} --kernels 2>&1 | grep -v "^  "
             static_int2_ab decode_lo_pipe "MOETIDE_LO_SOURCE=$PWD/${AGAINST%%,*}" ;;
     grids)  # programs of 4 and 8 warps (wk x wn) per (format, T) for each kernel source, with the floors
-            builds=()  # both sources built at once, into the cache (a bare `wait` would also wait for the tee)
-            for f in src/moetide/compute/csrc/lo_mma*.cu; do
-              python3 -c "import sys, torch; from pathlib import Path; from moetide.compute import lo_cuda as l; \
-            l.build('%d%d' % torch.cuda.get_device_capability(), l.nvcc(), l.cache_dir(), Path(sys.argv[1]))" $f &
-              builds+=($!)
-            done; wait "${builds[@]}"
+            python3 scripts/build_lo_kernels.py src/moetide/compute/csrc/lo_mma*.cu  # both at once, into the cache
             timeout $(T ${TESTS_S:-150}) python3 -m pytest -q -p no:cacheprovider -x tests/test_lo_cuda.py \
               ${GRID_TESTS_K:+-k "$GRID_TESTS_K"} 2>&1 | tail -12
             SPECS=${GRID_SPECS:-auto,1x8,2x4,4x2,2x4/1x8}
