@@ -84,7 +84,7 @@ def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, co
                   cache_dir=None, in_step=True, decode_attention="auto", decode_ahead="auto") -> list[dict]:  # fmt: skip
     free_device()
     t0 = time.perf_counter()
-    extra = {} if in_step else {"extra": {"in_step": False}}
+    extra = {} if in_step else {"layer_feed": False}
     llm = moetide.LLM(str(path), policy=policy, gpu_memory=budget, max_num_seqs=max(batch_sizes),
                       max_model_len=max(prefill_len + 8, 256), compile=compile_mode, cache_dir=cache_dir,
                       decode_attention=decode_attention, decode_ahead=decode_ahead, **extra)  # fmt: skip

@@ -42,7 +42,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str], list[str]]:
     ap.add_argument(
         "--policies",
         default="no-offload,static-int4,static-int2,on-demand,lru,finemoe,combined:lo",
-        help="comma-separated; POLICY:lo / POLICY:stall sets --on-miss for that run",
+        help="comma-separated; POLICY:lo / POLICY:zero-copy sets --on-miss for that run",
     )
     ap.add_argument(
         "--lo-kernel",

@@ -368,7 +368,7 @@ def summarize(
         | {"mean": statistics.fmean(ttft) if ttft else None},
         "tpot_s": {q: percentile(tpot, p) for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
         | {"mean": statistics.fmean(tpot) if tpot else None},
-        "expert_stall_s": delta("moetide_expert_stall_seconds_total"),
+        "expert_lo_runs": delta("moetide_expert_lo_runs_total"),
         "expert_bytes_moved": delta("moetide_expert_bytes_moved_total"),
         "expert_hit_rate_end": after.get("moetide_expert_hit_rate"),
         "preemptions": delta("moetide_preemptions_total"),
@@ -385,16 +385,16 @@ def print_table(levels: list[dict]) -> None:
 
     print(
         f"{'clients':>7} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'req/s':>7} "
-        f"{'TTFT p50':>8} {'TTFT p90':>8} {'TPOT p50':>8} {'TPOT p90':>8} {'stall s':>8} {'GB moved':>9}"
+        f"{'TTFT p50':>8} {'TTFT p90':>8} {'TPOT p50':>8} {'TPOT p90':>8} {'lo runs':>8} {'GB moved':>9}"
     )
     for lv in levels:
-        stall = lv["expert_stall_s"]
+        lo_runs = lv["expert_lo_runs"]
         moved = lv["expert_bytes_moved"]
         print(
             f"{lv['concurrency']:>7} {lv['requests']:>5} {lv['errors']:>4} {lv['output_tokens_per_s']:>10.1f}"
             f" {lv['requests_per_s']:>7.2f} {ms(lv['ttft_s']['p50'])} {ms(lv['ttft_s']['p90'])}"
             f" {ms(lv['tpot_s']['p50'])} {ms(lv['tpot_s']['p90'])}"
-            f" {stall if stall is not None else float('nan'):>8.2f}"
+            f" {lo_runs if lo_runs is not None else float('nan'):>8.0f}"
             f" {(moved or 0) / 1e9:>9.2f}"
         )
     print("(TTFT/TPOT in ms, measured at the client from streamed chunk arrival times)")

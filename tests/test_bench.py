@@ -36,7 +36,7 @@ ROW_FIELDS = (
     "e2e_mean_s",
     "e2e_p99_s",
     "hit_rate",
-    "stall_s",
+    "lo_run_rate",
     "bytes_h2d",
     "promotions",
     "demotions",

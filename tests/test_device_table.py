@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_residency import EXPERTS, LAYERS, STORE, make_manager
+from residency_setup import EXPERTS, LAYERS, expected_weights, make_manager
 
 from moetide.compute.expert_compute import wait_for_landing
 from moetide.residency.slot_table import UNUSED, WAITED
+from moetide.residency.table import DeviceTable
 from moetide.residency.transfer import CpuTransfer, ThreadEvent
-from moetide.store import quant
 
 IN_FLIGHT = 2
 
@@ -42,14 +42,6 @@ class LaggingTransfer(CpuTransfer):
         event = ThreadEvent()
         self.markers.append(event)
         return event
-
-
-def expected_weights(layer: int, expert: int, precision: str, store=STORE) -> torch.Tensor:
-    """The expert's dense gate_up as the host store holds `precision` (hi, or a low-bit format)."""
-    if precision == "hi":
-        return store.views(layer, expert, "hi")["gate_up"]
-    gate_up, _ = quant.dequantize(store.views(layer, expert, precision), store.meta[precision], torch.float32)
-    return gate_up
 
 
 class DeviceTableMachine(RuleBasedStateMachine):
@@ -92,7 +84,7 @@ class DeviceTableMachine(RuleBasedStateMachine):
         self.iteration += 1
         m.begin_step(self.iteration)
         # what this step's layers read: the host's table, plus any copy that published itself since
-        table = m._table_device.clone().numpy()
+        table = m.table.device_table.clone().numpy()
         m.end_step()
         self.in_flight.append((table, m.transfer.markers[-1], [0], self.iteration))
         ran = np.full((LAYERS, EXPERTS), UNUSED, dtype=np.int32)
@@ -140,7 +132,7 @@ class DeviceTableMachine(RuleBasedStateMachine):
         whatever copies and in-step decisions have written into it since it began), else the table
         its start wrote (the later steps' writes come after it in stream order)."""
         table, _marker, _progress, iteration = entry
-        return self.manager._table_device.clone().numpy() if iteration == self.iteration else table
+        return self.manager.table.device_table.clone().numpy() if iteration == self.iteration else table
 
     def _read(self, table, layers):
         """Read every expert of `layers` through `table` and check the weights; an entry that names a
@@ -148,14 +140,14 @@ class DeviceTableMachine(RuleBasedStateMachine):
         kernel's programs wait for it (a copy that never lands fails the wait)."""
         pools = self.manager.kernel_pools(torch.float32)
         names = {v: k for k, v in self.manager.pool_ids.items()}
-        wait_row = self.manager._wait_row
+        wait_row = self.manager.table.wait_row
         for layer in layers:
             for expert in range(EXPERTS):
                 pool_id = int(table[layer, 0, expert])
                 slot = int(table[layer, 1 + pool_id, expert])
                 assert pool_id >= 0, "an expert the table sends nowhere"
                 if int(table[layer, wait_row, expert]):
-                    wait_for_landing(self.manager._landed, slot, int(table[layer, wait_row, expert]))
+                    wait_for_landing(self.manager.table.landed, slot, int(table[layer, wait_row, expert]))
                 gate_up, _ = pools[pool_id].weights(slot, torch.float32)
                 assert torch.isfinite(gate_up).all(), "read a poisoned (partially written) slot"
                 name = names[pool_id]
@@ -171,8 +163,7 @@ class DeviceTableMachine(RuleBasedStateMachine):
         assert m.budget.used_bytes <= m.budget.total_bytes
         for name, pool in m.pools.items():
             resident = sum(1 for row in m.handles for h in row if name in h.versions)
-            pending = sum(1 for p, *_ in m._pending_free if p == name)
-            assert resident + pending + pool.free_slots == pool.num_slots
+            assert resident + pool.pending + pool.free_slots == pool.num_slots
 
     def teardown(self):
         if self.manager is not None:
@@ -202,19 +193,21 @@ def test_a_parked_version_predicted_within_the_step_is_back_in_the_table_at_once
         m.end_step()
         for layer, e in resident:
             m.handles[layer][e].versions["hi"].ready.synchronize()
-        m._in_step_short["hi"] = 20  # the last steps' in-step prefetches wanted slots: park a reserve
+        for _ in range(20):  # the last steps' in-step prefetches wanted slots: park a reserve
+            m.reserve.wanted("hi")
         m.begin_step(2)
-        parked = list(m._parked["hi"])
+        parked = list(m.reserve.parked["hi"])
         assert parked, "nothing parked"
         hi, host = m.pool_ids["hi"], m.pool_ids["host"]
         layer, expert = parked[0]
-        assert m._table_device[layer, 0, expert] == host  # out of this step's table
+        assert m.table.device_table[layer, 0, expert] == host  # out of this step's table
         m.prefetch(layer, [expert], iteration=2)
         m.in_step(2, -1)
         slot = m.handles[layer][expert].versions["hi"].slot
-        entry = (int(m._table_device[layer, 0, expert]), int(m._table_device[layer, 1 + hi, expert]))
+        table = m.table.device_table
+        entry = (int(table[layer, 0, expert]), int(table[layer, 1 + hi, expert]))
         assert entry == (hi, slot)
-        assert m.metrics.unparked == 1 and (layer, expert) not in m._parked["hi"]
+        assert m.metrics.unparked == 1 and (layer, expert) not in m.reserve.parked["hi"]
         gate_up, _ = m.kernel_pools(torch.float32)[hi].weights(slot, torch.float32)
         assert torch.equal(gate_up, expected_weights(layer, expert, "hi"))
         m.end_step()
@@ -234,11 +227,11 @@ def test_a_copy_started_within_the_step_is_waited_for_by_its_layer():
         m.prefetch(2, [5], iteration=1)
         assert m.in_step(1, 0) == 1
         version = m.handles[2][5].versions["hi"]
-        table = m._table_device
-        assert (int(table[2, 0, 5]), int(table[2, 1 + hi, 5]), int(table[2, m._wait_row, 5])) == (
+        table = m.table.device_table
+        assert (int(table[2, 0, 5]), int(table[2, 1 + hi, 5]), int(table[2, m.table.wait_row, 5])) == (
             hi, version.slot, version.gen)  # fmt: skip
         assert not version.ready.query()  # 2 MB/s: still in flight
-        wait_for_landing(m._landed, version.slot, version.gen)
+        wait_for_landing(m.table.landed, version.slot, version.gen)
         gate_up, _ = m.kernel_pools(torch.float32)[hi].weights(version.slot, torch.float32)
         assert torch.equal(gate_up, expected_weights(2, 5, "hi"))
         m.end_step()
@@ -246,5 +239,56 @@ def test_a_copy_started_within_the_step_is_waited_for_by_its_layer():
         ran[2, 5] = hi + WAITED
         m.observe_step(ran, 1)
         assert m.metrics.hits_in_flight == 1 and m.metrics.layers[2].hits == 1
+    finally:
+        m.close()
+
+
+def _entry(table, layer, expert):
+    """What a reader of the device table sees for `(layer, expert)`: `(pool id, its slot there)`."""
+    t = table.device_table
+    pool = int(t[layer, 0, expert])
+    return pool, int(t[layer, 1 + pool, expert]) if pool >= 0 else None
+
+
+@settings(max_examples=50, deadline=None)
+@given(old_pool=st.integers(-1, 2), new_pool=st.integers(0, 2), old_slot=st.integers(0, 9),
+       new_slot=st.integers(0, 9), stale=st.integers(0, 9), wait=st.sampled_from([None, 3]))  # fmt: skip
+def test_publish_words_never_show_a_reader_a_torn_entry(old_pool, new_pool, old_slot, new_slot, stale, wait):
+    """A reader may look at the table between any two of a publication's word writes: it must see
+    the old entry or the new one, never the new pool word with a slot that is not the new one (the
+    slot word lands first, then the wait word, then the pool word)."""
+    table = DeviceTable(2, 3, 4, torch.device("cpu"), landed_slots=1)
+    if old_pool >= 0:
+        table.set_entry(1, 2, old_pool, old_slot)
+    table.master[1, 1 + new_pool, 2] = stale if new_pool != old_pool else old_slot
+    table.write()
+    old = _entry(table, 1, 2)
+    words = table.publish_words(1, 2, new_pool, new_slot, wait)
+    assert words[-1][0].data_ptr() == table.device_table[1, 0, 2:3].data_ptr()  # the pool word last
+    for device_word, value in words:
+        device_word.copy_(value)
+        assert _entry(table, 1, 2) in (old, (new_pool, new_slot))
+    assert _entry(table, 1, 2) == (new_pool, new_slot)
+    if wait is not None:
+        assert int(table.device_table[1, table.wait_row, 2]) == wait
+
+
+def test_a_copy_publishes_its_entry_only_after_its_data_has_landed():
+    """The copy's words ride on its own stream after the data: while the copy is under way the
+    device table still sends the expert where it was (here: host memory)."""
+    m = make_manager("hi-cache", 4, 0, bandwidth=1e5)  # ~0.1 s for one expert
+    try:
+        host, hi = m.pool_ids["host"], m.pool_ids["hi"]
+        m.begin_step(1)
+        m.end_step()
+        assert int(m.table.device_table[1, 0, 3]) == host
+        m.prefetch(1, [3], iteration=1)
+        m.begin_step(2)
+        version = m.handles[1][3].versions["hi"]
+        assert not version.ready.query()
+        assert int(m.table.device_table[1, 0, 3]) == host  # not yet: the data is still on its way
+        version.ready.synchronize()
+        assert (int(m.table.device_table[1, 0, 3]), int(m.table.device_table[1, 1 + hi, 3])) == (hi, version.slot)
+        m.end_step()
     finally:
         m.close()

@@ -12,7 +12,6 @@ import torch
 from triton_interpreter import run_both_kernels
 
 import moetide
-from moetide.store import quant
 
 pytestmark = pytest.mark.gpu
 
@@ -46,9 +45,7 @@ def test_policies_on_cuda_match_transformers_bf16(tiny_checkpoints, policy, budg
         plan = roomy.loaded.runtime.residency.plan
         roomy.close()
         budget = plan.fixed.total + 5 * plan.hi_slot_bytes  # 5 of 16 experts fit: evictions happen
-    llm = moetide.LLM(
-        path, device="cuda", dtype="bfloat16", policy=policy, gpu_memory=budget, on_miss="stall"
-    )
+    llm = moetide.LLM(path, device="cuda", dtype="bfloat16", policy=policy, gpu_memory=budget)
     ids = torch.randint(5, 90, (2, 13), generator=torch.Generator().manual_seed(4)).cuda()
     with torch.no_grad():
         got = llm.loaded.model(ids).logits.float()
@@ -63,11 +60,11 @@ def test_policies_on_cuda_match_transformers_bf16(tiny_checkpoints, policy, budg
 
 
 @pytest.mark.parametrize("policy", ["on-demand", "lru", "finemoe", "moe-infinity", "combined", "dynaexq"])
-def test_sync_free_policies_on_cuda_replay_graphs_and_match_the_stall_path(tiny_checkpoints, policy):
+def test_sync_free_policies_on_cuda_replay_graphs_and_match_the_eager_steps(tiny_checkpoints, policy):
     """Every dynamic policy on CUDA with its default --on-miss (zero-copy reads of pinned host memory
     for the hi caches, lo for combined/dynaexq): no host sync in the whole generate, decode steps
-    replayed as CUDA graphs, and for the hi caches the same greedy tokens as --on-miss stall (both
-    read the checkpoint's bf16 weights, one from host memory, the other from a device slot)."""
+    replayed as CUDA graphs, and for the hi caches the same greedy tokens as eager steps (both read
+    the checkpoint's bf16 weights, from host memory or from a device slot)."""
     path, _ = tiny_checkpoints["qwen2_moe"]
     keeps_lo = policy in ("combined", "dynaexq")
     roomy = moetide.LLM(path, device="cuda", dtype="bfloat16", policy=policy if keeps_lo else "on-demand",
@@ -79,12 +76,12 @@ def test_sync_free_policies_on_cuda_replay_graphs_and_match_the_stall_path(tiny_
         tight = plan.fixed.total + plan.lo_slots * plan.lo_slot_bytes + 4 * plan.hi_slot_bytes
     params = moetide.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     runs = {}
-    for on_miss in ("auto", "stall"):
+    for graphs in ("auto", "off"):
         llm = moetide.LLM(path, device="cuda", dtype="bfloat16", policy=policy, gpu_memory=tight,
-                          on_miss=on_miss, searcher="thread")  # fmt: skip
+                          cuda_graphs=graphs, searcher="thread")  # fmt: skip
         tokens = [o.token_ids for o in llm.generate([[5, 6, 7, 8], [9, 10, 11]], params)]
-        runs[on_miss] = (tokens, llm.metrics.host_syncs, llm.engine.runner.graph_stats(), llm.metrics.misses)
-        if on_miss == "auto":  # a replayed graph runs no Python, yet every step's routing is read
+        runs[graphs] = (tokens, llm.metrics.host_syncs, llm.engine.runner.graph_stats(), llm.metrics.misses)
+        if graphs == "auto":  # a replayed graph runs no Python, yet every step's routing is read
             assert llm.metrics.steps_observed == llm.metrics.steps > 0
             feed = llm.loaded.policy_hooks.feed if llm.loaded.policy_hooks is not None else None
             if feed is not None:  # and the in-step policies saw the replayed steps' layers as they ran
@@ -95,11 +92,10 @@ def test_sync_free_policies_on_cuda_replay_graphs_and_match_the_stall_path(tiny_
         llm.close()
     tokens, syncs, graphs, misses = runs["auto"]
     assert syncs == 0 and graphs["replays"] > 0 and graphs["failed"] is None, graphs
-    if policy != "dynaexq":  # dynaexq fixes --on-miss lo (its registry entry): no stall run to compare
-        assert runs["stall"][1] > 0 and runs["stall"][2]["replays"] == 0
+    assert runs["off"][1] == 0 and not (runs["off"][2] or {}).get("replays")
     if not keeps_lo:
         assert misses > 0  # some experts were read zero-copy
-        assert tokens == runs["stall"][0]
+        assert tokens == runs["off"][0]
 
 
 def test_no_offload_greedy_equals_transformers_generate_bf16(tiny_checkpoints):
@@ -179,7 +175,9 @@ def test_peak_gpu_memory_stays_under_the_budget(tmp_path):
 
 
 def test_cuda_residency_random_interleavings():
-    """The CPU-backend property test, on real CUDA streams and events with a pinned store."""
+    """The CPU-backend property test, on real CUDA streams and events with a pinned store: every
+    step reads through the table only complete versions of the experts it names."""
+    import residency_setup as rs
     import test_residency as tr
     from hypothesis import given, settings
     from hypothesis import strategies as st
@@ -189,65 +187,41 @@ def test_cuda_residency_random_interleavings():
     from moetide.residency.metrics import ExpertMetrics
     from moetide.residency.transfer import CudaTransfer
 
-    store = tr.STORE
+    store = rs.STORE
     pinned = {p: a.pin_memory() for p, a in store.versions.items()}
     store.versions.update(pinned)
 
     @settings(max_examples=10, deadline=None)
-    @given(
-        mode=st.sampled_from(["hi-cache", "lo+hi"]),
-        hi_slots=st.integers(2, 6),
-        ops=st.lists(tr.op, min_size=1, max_size=20),
-    )
+    @given(mode=st.sampled_from(["hi-cache", "lo+hi"]), hi_slots=st.integers(2, 6),
+           ops=st.lists(tr.op, min_size=1, max_size=20))  # fmt: skip
     def run(mode, hi_slots, ops):
         hi_b, lo_b = store.bytes_per_expert("hi"), store.bytes_per_expert("int4")
         fixed = FixedCosts(1000, 0, 0, 0)
-        lo_slots = tr.LAYERS * tr.EXPERTS if mode == "lo+hi" else 0
+        lo_slots = rs.LAYERS * rs.EXPERTS if mode == "lo+hi" else 0
         budget = fixed.total + hi_slots * hi_b + lo_slots * lo_b
-        plan = plan_memory(
-            budget,
-            fixed,
-            num_experts_total=tr.LAYERS * tr.EXPERTS,
-            hi_slot_bytes=hi_b,
-            lo_slot_bytes=lo_b,
-            min_hi_slots=2,
-            mode=mode,
-        )
+        plan = plan_memory(budget, fixed, num_experts_total=rs.LAYERS * rs.EXPERTS, hi_slot_bytes=hi_b,
+                           lo_slot_bytes=lo_b, min_hi_slots=2, mode=mode)  # fmt: skip
         tracker = BudgetTracker(budget)
         tracker.reserve(fixed.total, "fixed", "fixed")
-        m = ResidencyManager(
-            store,
-            ExpertMetrics(tr.LAYERS),
-            plan,
-            tracker,
-            CudaTransfer(torch.device("cuda")),
-            torch.device("cuda"),
-            ResidencyOptions(mode=mode, lo_precision="int4"),
-        )
+        on_miss = "lo" if mode == "lo+hi" else "zero-copy"
+        m = ResidencyManager(store, ExpertMetrics(rs.LAYERS), plan, tracker, CudaTransfer(torch.device("cuda")),
+                             torch.device("cuda"), ResidencyOptions(mode=mode, lo_precision="int4", on_miss=on_miss))  # fmt: skip
         if mode == "lo+hi":
             m.preload("lo")
-        x = torch.randn(3, tr.HIDDEN, device="cuda")
+        iteration = 0
         for kind, layer, arg in ops:
-            if kind == "forward":
-                pending = sorted(set(arg))
-                while pending:
-                    resolved, pending = m.acquire(layer, pending, torch.device("cuda"))
-                    for e, v in resolved.items():
-                        got = (
-                            tr.expert_mlp(x, v.views["gate_up"], v.views["down"], tr.ACT)
-                            if v.precision == "hi"
-                            else tr.expert_mlp(x, *quant.dequantize(v.views, v.meta, x.dtype), tr.ACT)
-                        )
-                        ref = tr.reference_output(x.cpu(), layer, e, v.precision)
-                        torch.testing.assert_close(got.cpu(), ref, rtol=1e-4, atol=1e-5)
-                    m.release(layer, list(resolved))
+            if kind == "step":
+                iteration += 1
+                rs.run_step(m, iteration, {layer: arg})
             elif kind == "prefetch":
-                m.prefetch(layer, arg, iteration=0)
+                m.prefetch(layer, arg, iteration=iteration)
             elif kind == "protect":
-                m.protect(layer, arg, iteration=0)
+                m.protect(layer, arg, iteration=iteration)
+            elif kind == "land":
+                rs.land_all(m)
             else:
                 m.set_precision(layer, arg, "hi" if kind == "promote" else "lo")
-            assert tracker.used_bytes <= tracker.total_bytes
+            tr.check_invariants(m)
         m.close()
 
     run()

@@ -16,7 +16,7 @@ from hypothesis.stateful import precondition, rule
 from test_bad_input import assert_one_line_error, run_cli
 from test_device_table import DeviceTableMachine, LaggingTransfer
 from test_policies_formulas import RecordingSink, _observe, _sched
-from test_residency import EXPERTS, LAYERS, make_store
+from residency_setup import EXPERTS, LAYERS, make_store
 
 import moetide
 from moetide.config import EngineConfig, parse_bytes

@@ -405,9 +405,9 @@ def test_the_engine_evicts_by_the_policys_rule_and_sees_the_gate_probabilities(p
         residency = llm.loaded.runtime.residency
         assert residency.options.eviction == eviction
         llm.generate(["def add(a, b):"], moetide.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-        residency._drain_requests()
+        residency.settle()  # applies every request
         # every layer's observed gate distribution reached the residency
-        assert (residency._prob.sum(axis=1) > 0.5).all()
+        assert (residency.stats.prob.sum(axis=1) > 0.5).all()
     finally:
         llm.close()
 

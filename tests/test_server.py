@@ -295,7 +295,7 @@ def test_metrics_expose_the_listed_series(server):
         "moetide_num_requests_running",
         'moetide_requests_finished_total{finish_reason="length"}',
         "moetide_expert_hit_rate",
-        "moetide_expert_stall_seconds_total",
+        "moetide_expert_lo_runs_total",
         "moetide_expert_bytes_moved_total",
         'moetide_resident_experts{precision="hi"}',
         "moetide_expert_promotions_total",

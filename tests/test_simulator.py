@@ -236,12 +236,12 @@ def test_the_engine_replaying_real_routing_hits_what_the_simulator_predicts(tmp_
             gpu_memory=["25%"],
             prefetch_distance=1,
             out=str(tmp_path / f"bench{len(extra)}"),
-            extra=extra,
+            **extra,
         )
         return {r["policy"]: r for r in run_sweep(spec, progress=False)["runs"]}
 
     try:
-        rows = replay(["finemoe", "on-demand"], in_step=False)  # the step-late form: the simulator's
+        rows = replay(["finemoe", "on-demand"], layer_feed=False)  # the step-late form: the simulator's
         fed = replay(["finemoe"])["finemoe"]  # the engine's default: the layer feed
     finally:
         policies.make_policy = make_policy

@@ -87,8 +87,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         "--on-miss",
         default="auto",
         choices=list(ON_MISS),
-        help="an expert with no device version: run its resident lo version (lo), read it from pinned"
-        " host memory in the kernel (zero-copy), or copy it and wait (stall: a host sync per layer);"
+        help="an expert with no device version: run its resident lo version (lo) or read it from pinned"
+        " host memory in the kernel (zero-copy); either way it is copied in for the next steps;"
         " auto: lo where the policy keeps lo versions resident, else zero-copy",
     )
     p.add_argument("--prefetch-distance", type=int, default=2, help="FineMoE prefetch distance d (layers)")

@@ -6,7 +6,7 @@ The CLI and the Python API map their arguments onto these; errors say what to ch
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
@@ -60,7 +60,7 @@ def format_bytes(n: float) -> str:
 
 
 CUDA_GRAPHS = ("auto", "off")
-ON_MISS = ("auto", "lo", "zero-copy", "stall")  # see EngineConfig.on_miss
+ON_MISS = ("auto", "lo", "zero-copy")  # see EngineConfig.on_miss
 # The server's floor under the derived KV reservation, per sequence of max_num_seqs: a chat turn (a
 # ~50-token ShareGPT prompt, 64 out) fills 8 blocks of 16. Measured on the H200 (OLMoE shape,
 # combined, 4 GiB, 64 streaming clients): 4,096 tokens of KV preempted 20 sequences, TTFT p90 9.2 s,
@@ -87,7 +87,7 @@ class EngineConfig:
         on_miss: what a step does with an expert that has no device version: "auto" (default: "lo"
             where every lo version is resident — combined, dynaexq — else "zero-copy"), "lo" (run the
             resident lo version), "zero-copy" (the kernel reads the hi version from pinned host
-            memory), "stall" (copy it and wait: a host sync in every MoE layer).
+            memory). Neither waits for the host: the expert is copied in for the next steps.
         prefetch_distance: FineMoE's d, in layers.
         max_num_seqs: sequences decoded together at most.
         max_model_len: context length cap (prompt + output), in tokens; None = model's limit.
@@ -154,7 +154,17 @@ class EngineConfig:
         searcher: where FineMoE's map searcher runs (finemoe, combined): "process" (the default: its
             own process, fed through shared memory; the forward thread only copies observations
             in and decisions out) or "thread" (a thread of the engine's process, which shares the
-            GIL with the forward thread; BENCHMARKS.md compares them).
+            GIL with the forward thread).
+        layer_feed: finemoe, lru and moe-infinity see each MoE layer of the running step as the
+            device routes it and prefetch for its later layers within the step (the layer feed,
+            policies/in_step.py); False: they decide a step late, from each step's observations, as
+            combined and dynaexq do (the form the trace simulator models with `decision_lag=2`).
+        map_store: a FineMoE expert-map store saved earlier (`ExpertMapStore.save`) that finemoe and
+            combined start from; None: an empty store.
+        simulated_copy_bytes_per_s: on the CPU only, pace expert copies to this rate (a simulated
+            host-to-device link, for tests and trace replays); None: as fast as memory copies.
+        poison_slots: on the CPU only, fill a slot with NaN bytes before each copy into it, so that a
+            read of a partly written or reused slot cannot go unnoticed (tests).
     """
 
     model: str
@@ -184,7 +194,10 @@ class EngineConfig:
     deterministic: bool = False
     wait_for_copies: bool = False
     searcher: str = "process"
-    extra: dict = field(default_factory=dict)
+    layer_feed: bool = True
+    map_store: str | None = None
+    simulated_copy_bytes_per_s: float | None = None
+    poison_slots: bool = False
 
     def __post_init__(self) -> None:
         named = self.device not in (None, "", "auto")
@@ -215,13 +228,16 @@ class EngineConfig:
             raise ConfigError(
                 f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}"
             )
+        rate = self.simulated_copy_bytes_per_s
+        if rate is not None and not rate > 0:
+            raise ConfigError(f"simulated_copy_bytes_per_s must be > 0 (or None), got {rate!r}")
         if self.on_miss not in ON_MISS:
             raise ConfigError(f"--on-miss must be one of {', '.join(ON_MISS)}, got {self.on_miss!r}")
         hi_cache_only = self.policy in POLICY_NAMES and policy_spec(self.policy).memory_mode == "hi-cache"
         if self.on_miss == "lo" and hi_cache_only:
             raise ConfigError(
                 f"--on-miss lo needs a policy that keeps a lo version of every expert (combined, dynaexq);"
-                f" {self.policy} caches hi versions only: use --on-miss zero-copy or stall"
+                f" {self.policy} caches hi versions only: use --on-miss zero-copy"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

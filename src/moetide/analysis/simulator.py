@@ -4,7 +4,8 @@ For every step of the trace, the simulator calls the policy exactly as the forwa
 (`begin_iteration`, then per MoE layer `observe_layer` and `observe_speculative`, then
 `end_iteration`), acting itself as the policy's `ExpertSink`. Per step and layer it counts *demands*:
 the distinct experts the step's tokens picked at that layer. A demand is a *hit* when the expert is
-resident when the layer runs; a miss is loaded on demand (a stall in the real engine).
+resident when the layer runs; a miss is loaded on demand (the engine reads it from host memory or
+runs lo, and caches it for the next steps).
 
 No timing model. A prefetch becomes resident at once, i.e. before the layer it targets runs, but only
 within the cache's capacity (it evicts by the cache's rule and never evicts an expert protected for
@@ -15,10 +16,11 @@ late for nearer layers; such requests are dropped and counted as `late`). Before
 first d layers from there.
 
 Cache: `capacity_experts` slots, either one pool for all layers (`scope="global"`) or the same share
-per layer (`scope="layer"`, Mixtral-Offloading's layout). Eviction rules: `"lru"`, or `"prob-freq"`
-(FineMoE: lowest probability x visit count, where probability is the latest estimate for that expert:
-the predicted one a prefetch carried, or the observed gate probability when its layer last ran; ties
-by LRU). Experts being used by the running layer are never evicted.
+per layer (`scope="layer"`, Mixtral-Offloading's layout). Eviction: the engine's rules
+(`residency.eviction.RULES`: "lru", or FineMoE's "prob-freq": lowest probability x visit count,
+where probability is the latest estimate for that expert: the predicted one a prefetch carried, or
+the observed gate probability when its layer last ran; ties by LRU), ranked by the same function.
+Experts being used by the running layer are never evicted.
 
 Reported: hit rate (all, prefill, decode, per layer), prefetch precision = predicted-and-used /
 predicted and recall = predicted-and-used / demanded (per step and layer), bytes moved (on-demand +
@@ -38,9 +40,9 @@ import torch
 
 from ..policies.base import ExpertPolicy
 from ..policies.finemoe import FineMoEConfig, FineMoEPolicy
+from ..residency.eviction import eviction_rule, first_victim
 from .trace import Trace, TraceStep
 
-EVICTION_RULES = ("lru", "prob-freq")
 CACHE_SCOPES = ("global", "layer")
 
 
@@ -79,8 +81,7 @@ class SimulatedExpertCache:
     ):
         if scope not in CACHE_SCOPES:
             raise ValueError(f"scope must be one of {CACHE_SCOPES}, got {scope!r}")
-        if eviction not in EVICTION_RULES:
-            raise ValueError(f"eviction must be one of {EVICTION_RULES}, got {eviction!r}")
+        self.rule = eviction_rule(eviction)
         if capacity_experts < 0:
             raise ValueError("capacity_experts must be >= 0")
         self.L, self.J = num_layers, num_experts
@@ -119,12 +120,8 @@ class SimulatedExpertCache:
             cand &= mask
         if not cand.any():
             return None
-        if self.eviction == "lru":
-            return int(np.where(cand, self.last_use, np.iinfo(np.int64).max).argmin())
-        score = np.where(cand, self.prob * self.visits, np.inf)
-        best = score.min()
-        ties = cand & (score == best)
-        return int(np.where(ties, self.last_use, np.iinfo(np.int64).max).argmin())
+        keys = np.flatnonzero(cand)
+        return int(keys[first_victim(self.rule, self.last_use[keys], self.prob[keys], self.visits[keys])])
 
     def _evict(self, key: int) -> None:
         self.resident[key] = False

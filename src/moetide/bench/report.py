@@ -16,6 +16,10 @@ def _num(x, fmt="{:.1f}") -> str:
     return "" if x is None else fmt.format(x)
 
 
+def _pct(x) -> str:
+    return "" if x is None else f"{x:.1%}"
+
+
 def write_markdown(summary: dict, path: Path) -> None:
     """One row per run: throughput, TTFT/TPOT/E2E percentiles (ms), residency counters, peak memory."""
     lines = [f"# moetide bench: {summary.get('model_path')}", ""]
@@ -31,7 +35,7 @@ def write_markdown(summary: dict, path: Path) -> None:
         "",
         (
             "| run | engine | policy | budget | batch | tok/s | TTFT mean / p50 / p90 / p99 (ms) "
-            "| TPOT mean / p50 / p90 / p99 (ms) | E2E p50 / p99 (s) | hit rate | stall (s) | H2D | promo / demo "
+            "| TPOT mean / p50 / p90 / p99 (ms) | E2E p50 / p99 (s) | hit rate | lo runs | H2D | promo / demo "
             "| peak GPU |"
         ),
         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -55,7 +59,7 @@ def write_markdown(summary: dict, path: Path) -> None:
         peak = "" if r.get("peak_gpu_bytes") is None else format_bytes(r["peak_gpu_bytes"])
         lines.append(
             f"| {r['name']} | {r['engine']} | {r['policy']} | {budget} | {r['batch_size']} "
-            f"| {_num(r['throughput_tok_s'])} | {ttft} | {tpot} | {e2e} | {hit} | {_num(r.get('stall_s'), '{:.3f}')} "
+            f"| {_num(r['throughput_tok_s'])} | {ttft} | {tpot} | {e2e} | {hit} | {_pct(r.get('lo_run_rate'))} "
             f"| {h2d} | {promo} | {peak} |"
         )
     path.write_text("\n".join(lines) + "\n")

@@ -58,8 +58,8 @@ class BenchSpec:
     """Everything one `moetide bench` invocation runs: an `EngineConfig` template, the axes swept
     over it (a cross product), the workload and where results go.
 
-    Each moetide run is `engine` with its `policy` (a `policy:lo` / `policy:stall` name also sets
-    `on_miss`), `gpu_memory_bytes` (from the `gpu_memory` axis), `max_num_seqs` (the batch size),
+    Each moetide run is `engine` with its `policy` (a `policy:lo` / `policy:zero-copy` name also
+    sets `on_miss`), `gpu_memory_bytes` (from the `gpu_memory` axis), `max_num_seqs` (the batch size),
     `max_model_len` and `kv_cache_tokens` (what the batch needs) and `model` (the checkpoint the plan
     resolved) replaced. Keyword arguments that name an `EngineConfig` field (`device`, `dtype`,
     `prefetch_distance`, `seed`, `lo_kernel`, ...) set that field of the template.
@@ -132,10 +132,10 @@ class BenchSpec:
             raise ConfigError("give --model or --synthetic, not both")
         for name in self.policies:
             policy, on_miss = split_policy(name)
-            if policy not in POLICIES or on_miss not in (None, "lo", "zero-copy", "stall"):
+            if policy not in POLICIES or on_miss not in (None, "lo", "zero-copy"):
                 raise ConfigError(
                     f"unknown policy {name!r}; choose from {', '.join(POLICIES)}, optionally with"
-                    " ':lo', ':zero-copy' or ':stall' (its --on-miss), e.g. lru:stall"
+                    " ':lo' or ':zero-copy' (its --on-miss), e.g. combined:zero-copy"
                 )
 
 
@@ -388,7 +388,7 @@ def summary_row(result: dict) -> dict:
         "e2e_p90_s": dist("e2e_s", "p90"),
         "e2e_p99_s": dist("e2e_s", "p99"),
         "hit_rate": m.get("hit_rate"),
-        "stall_s": m.get("stall_s"),
+        "lo_run_rate": m.get("lo_runs", 0) / max(1, m.get("experts_used", 0)),
         "bytes_h2d": m.get("bytes_h2d"),
         "promotions": m.get("promotions"),
         "demotions": m.get("demotions"),

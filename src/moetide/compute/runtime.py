@@ -6,8 +6,7 @@ runs the router and the shared experts; moetide computes the routed experts in o
     table    the layer's device slot table: expert -> (pool, slot), see `slot_table`: the
              residency's device table (`residency.step_table`), fixed for good (no-offload,
              static-int4/int2) or written between steps (every other policy, with misses run
-             from lo or read zero-copy from host memory); only `--on-miss stall` resolves the
-             step's experts on the host (`residency.acquire`, one sync per layer)
+             from lo or read zero-copy from host memory); no host decision in the step
     compute  `fused_moe.fused_moe` (Triton, on CUDA) or `expert_compute.reference_moe` (PyTorch,
              per expert: the CPU path and the tests' reference) over that table
     combine  inside the kernel (routing weights) and one reduce over each token's k pairs
@@ -34,9 +33,9 @@ from torch import nn
 
 from ..config import LO_KERNELS
 from ..errors import ConfigError
+from ..residency.slot_table import WAITED
 from .expert_compute import ActFn, reference_moe
 from .observations import StepObservations, StepRecord
-from ..residency.slot_table import NOT_RESIDENT, WAITED
 
 
 def check_lo_kernel(kind: str, device: torch.device) -> None:
@@ -79,7 +78,7 @@ class ExpertRuntime:
         self._auto_step = False
         self.real_tokens: int | None = None  # the running step's real tokens (None: all of them)
         self._to_observe: list[StepRecord] = []  # accounted at this step's start, observed at its end
-        self._accounts_for: tuple | None = None  # (residency, accounts())
+
     def set_lo_kernel(self, kind: str, device: torch.device) -> None:
         """How the experts are computed: "triton" (the fused kernel over the slot table), "dequant"
         (the per-expert PyTorch reference: dequantize, then matmul) or "auto" (triton on CUDA where
@@ -108,20 +107,14 @@ class ExpertRuntime:
         Observers read the step's device buffers one step later, so they do not stand in the way."""
         if self.residency is None:
             return False
-        table = self.residency.step_table(0)
         # the reference path reads the used ids on the host: a sync on CUDA, free on the CPU
-        return table is not None and (self.fused is not None or table[0].device.type == "cpu")
+        return self.fused is not None or self.residency.step_table(0)[0].device.type == "cpu"
 
     # -- steps ----------------------------------------------------------------------------------------
     def accounts(self) -> bool:
         """The residency accounts each step's uses from its observations (a table written between
-        steps); a static table needs no accounting beyond the CPU's free count. Fixed once the
-        residency is built (read per layer: cached per residency object)."""
-        cached = self._accounts_for
-        if cached is None or cached[0] is not self.residency:
-            value = getattr(self.residency, "table_mode", False) and self.residency.static_table(0) is None
-            cached = self._accounts_for = (self.residency, value)
-        return cached[1]
+        steps); a static table needs no accounting beyond the CPU's free count."""
+        return self.residency.accounts
 
     def begin_step(
         self, num_tokens: int | None = None, *, real_tokens: int | None = None, auto: bool = False
@@ -142,10 +135,7 @@ class ExpertRuntime:
             for record in self.observations.take_ready():
                 self._account(record)
                 self._to_observe.append(record)
-        if hasattr(self.residency, "begin_step"):
-            self.residency.begin_step(self.iteration)
-        else:
-            self.residency.begin_iteration(self.iteration)
+        self.residency.begin_step(self.iteration)
         if self.observations is not None:
             accounts = self.accounts()
             if accounts and not self.observations.want_pools:  # the first step, before any capture
@@ -166,8 +156,7 @@ class ExpertRuntime:
             return
         t0 = time.perf_counter()
         self._in_step = False
-        if hasattr(self.residency, "end_step"):
-            self.residency.end_step()
+        self.residency.end_step()
         if self.observations is not None:
             self.observations.finish_step(discard=failed)
         self._observe_taken()  # the policies' part runs while the device computes this step
@@ -208,8 +197,7 @@ class ExpertRuntime:
         """Routed experts of one MoE layer: `hidden (T, H)` -> `(T, H)`."""
         accounts = self.accounts()
         table = self.residency.step_table(layer)
-        step_waits = getattr(self.residency, "step_waits", None)
-        waits = step_waits(layer) if table is not None and step_waits is not None else None
+        waits = self.residency.step_waits(layer)
         if self.observations is not None and accounts:  # device copies, read one step later
             self.observations.record_ids(layer, top_k_index)
             ran = table[0]
@@ -218,44 +206,21 @@ class ExpertRuntime:
             self.observations.record_pools(layer, ran, top_k_index)
             self.observations.publish_layer(layer)  # the layer feed's copy (where a policy decides in-step)
             # (where the residency accounts nothing, an attached policy's router hook records the ids)
-        if table is not None:  # the device table: no host sync at all
-            if not accounts and hidden.device.type == "cpu":  # a static table; counting is free here
-                used = int(torch.unique(top_k_index[: self.real_tokens]).numel())  # not the pad rows
-                self.metrics.layers[layer].used += used
-                self.metrics.layers[layer].hits += used
-            return self._compute(hidden, top_k_index, top_k_weights, *table, waits=waits)
-        ids_cpu = top_k_index.cpu()  # NOTE: host sync (counted): --on-miss stall resolves on the host
-        self.metrics.host_syncs += 1
-        out = None
-        pending = torch.unique(ids_cpu).tolist()
-        while pending:  # more than one wave only when the pools cannot hold all experts at once
-            resolved, pending = self.residency.acquire(layer, pending, hidden.device)
-            try:
-                pool_of, slot_of = self._step_table(resolved, hidden.device)
-                part = self._compute(hidden, top_k_index, top_k_weights, pool_of, slot_of)
-            finally:
-                self.residency.release(layer, list(resolved))
-            out = part if out is None else out + part
-        return out
+        if not accounts and hidden.device.type == "cpu":  # a static table; counting is free here
+            used = int(torch.unique(top_k_index[: self.real_tokens]).numel())  # not the pad rows
+            self.metrics.layers[layer].used += used
+            self.metrics.layers[layer].hits += used
+        return self._compute(hidden, top_k_index, top_k_weights, *table, waits=waits)
 
     def _compute(self, hidden, top_k_index, top_k_weights, pool_of, slot_of, waits=None) -> torch.Tensor:
         pools = self.residency.kernel_pools(hidden.dtype)
         if self.fused is not None:
             return self.fused.fused_moe(hidden, top_k_index, top_k_weights, pool_of, slot_of, pools,
                                         waits=waits)  # fmt: skip
+        if hidden.device.type == "cuda":  # NOTE: host sync (counted): the reference reads the used ids
+            self.metrics.host_syncs += 1
         return reference_moe(hidden, top_k_index, top_k_weights, pool_of, slot_of, pools, self.act_fn,
                              waits=waits)  # fmt: skip
-
-    def _step_table(self, resolved: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(pool_of, slot_of)` (E,) int32 on `device` for this step's resolved versions (expert ->
-        `DeviceVersion`); the other experts have no pool."""
-        pool_of = torch.full((self.num_experts,), NOT_RESIDENT, dtype=torch.int32)
-        slot_of = torch.zeros(self.num_experts, dtype=torch.int32)
-        pool_id = self.residency.pool_ids
-        for e, version in resolved.items():
-            pool_of[e] = pool_id[version.pool]
-            slot_of[e] = version.slot
-        return pool_of.to(device, non_blocking=True), slot_of.to(device, non_blocking=True)
 
 
 class ManagedExperts(nn.Module):

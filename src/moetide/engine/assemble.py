@@ -15,8 +15,8 @@ from ..compute.projections import fuse_qkv
 from ..compute.routing import fuse_routers
 from ..compute.runtime import ExpertRuntime, ManagedExperts
 from ..models.loader import LoadedModel, load_weights, moe_blocks
-from ..residency.direct import DirectResidency
 from ..residency.metrics import ExpertMetrics
+from ..residency.protocol import StaticResidency
 
 
 def load_model(
@@ -31,7 +31,7 @@ def load_model(
 
     `residency_factory(store, metrics, device, model, config) -> residency` chooses how experts reach
     the device; it runs after the non-expert weights are placed (they count in the budget). The
-    default fetches every needed expert on demand (`DirectResidency`).
+    default keeps every expert in hi at a fixed slot (`StaticResidency`: no budget).
     """
     loaded = load_weights(path, device=device, dtype=dtype, progress=progress)
     assemble_runtime(loaded, residency_factory)
@@ -48,7 +48,7 @@ def assemble_runtime(loaded: LoadedModel, residency_factory=None) -> ExpertRunti
     loaded.fused_routers = fuse_routers(loaded.model, adapter, loaded.device)  # before any hook is attached
     loaded.fused_qkv = fuse_qkv(loaded.model)
     if residency_factory is None:
-        runtime.residency = DirectResidency(store, metrics, loaded.device.type)
+        runtime.residency = StaticResidency(store, metrics, loaded.device)
     else:
         runtime.residency = residency_factory(store, metrics, loaded.device, loaded.model, config)
     hidden = loaded.model.get_input_embeddings().embedding_dim

@@ -16,7 +16,7 @@ from .kv_blocks import BlockAllocator
 from .llm_engine import PREFILL_CHUNK_TOKENS, LLMEngine
 from .paged_cache import PagedKVCache, decode_kernel_supported, use_decode_kernel
 from .memory import resolve_budget
-from .runner import FOLD_PREFILL_TOKENS, ModelRunner
+from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
 
@@ -55,7 +55,7 @@ class RequestOutput:
 
 def kv_cache_tokens(config: EngineConfig, loaded: LoadedModel) -> int | None:
     """The KV reservation the memory plan made (admission control), or the config's, or no limit."""
-    plan = getattr(loaded.runtime.residency, "plan", None)
+    plan = loaded.runtime.residency.plan
     return plan.fixed.kv_cache_tokens if plan is not None else config.kv_cache_tokens
 
 
@@ -75,7 +75,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
 
     spec = policy_spec(config.policy)
     residency = loaded.runtime.residency
-    if not spec.predicts or not hasattr(residency, "plan"):
+    if not spec.predicts or residency.plan is None:
         return
     if residency.options.mode == "all-hi":
         return  # no cap given and every expert fits in hi: nothing to prefetch or requantize
@@ -94,16 +94,14 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
 
     # policies that predict within a step see each layer as it runs (the layer feed); the rest, and
     # every policy under --deterministic, see each step one step late (compute/observations.py)
-    # (extra={"in_step": False}: the step-late form everywhere, for comparisons)
-    in_step = spec.in_step and not config.deterministic and getattr(residency, "table_mode", False)
-    in_step = in_step and config.extra.get("in_step", True)
+    in_step = spec.in_step and config.layer_feed and not config.deterministic
     policy = make_policy(
         config.policy,
         lookahead=0 if in_step else TABLE_LAG,
         prefetch_distance=config.prefetch_distance,
         n_hi=n_hi,
         n_mid=tuple(n_mid),
-        map_store_path=config.extra.get("map_store_path"),
+        map_store_path=config.map_store,
         searcher=config.searcher,
         **(timing if config.deterministic else {}),
     )
@@ -112,7 +110,6 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     if hasattr(scheduler, "set_promotion_gain"):  # DynaExq ranks experts by selections x what promotion buys
         options = residency.options
         scheduler.set_promotion_gain(loaded.store.promotion_gain(options.hi_precision, options.lo_precision))
-    residency.options = replace(residency.options, eviction=spec.eviction)
     loaded.policy_hooks = PolicyHooks(
         loaded.model, loaded.adapter, [policy], sink=residency, runtime=loaded.runtime, in_step=in_step
     )
@@ -203,7 +200,6 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
             graphs=graphed_decoder(config, loaded, kv, max_model_len),
             runtime=loaded.runtime,
             max_rows=config.max_num_seqs,
-            fold_prefill_tokens=config.extra.get("fold_prefill_tokens", FOLD_PREFILL_TOKENS),
         ),
         tokenizer,
         eos,

@@ -55,7 +55,7 @@ class PolicySpec:
 
     memory_mode: the residency's mode (module docstring).
     lo_precision: the lo precision it fixes ("int4", "int2"), or None for the config's choice.
-    on_miss: the on-miss rule it fixes ("lo", "zero-copy", "stall"), or None for the config's choice.
+    on_miss: the on-miss rule it fixes ("lo", "zero-copy"), or None for the config's choice.
     eviction: the device cache's eviction rule ("lru", or "prob-freq": FineMoE's probability x visits).
     predicts: a policy object observes the routers and steers the residency (else the memory mode
         alone is the policy).

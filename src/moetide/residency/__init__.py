@@ -23,8 +23,8 @@ from .budget import (
     plan_memory,
 )
 from .core import ResidencyManager, ResidencyOptions
-from .direct import DirectResidency
 from .metrics import ExpertMetrics
+from .protocol import Residency, StaticResidency
 from .transfer import CpuTransfer, CudaTransfer
 
 MAX_PREFILL_TOKENS = 1024  # tokens per prefill forward; sizes the activation workspace
@@ -119,7 +119,7 @@ def resolve_on_miss(on_miss: str, mode: str) -> str:
     if on_miss == "lo" and mode == "hi-cache":
         raise ConfigError(
             "--on-miss lo needs a policy that keeps a lo version of every expert (combined, dynaexq);"
-            " this one caches hi versions only: use --on-miss zero-copy or stall"
+            " this one caches hi versions only: use --on-miss zero-copy"
         )
     return on_miss
 
@@ -133,15 +133,15 @@ def build_residency(
     model_config,
     progress: bool = True,
     moe_scratch_bytes: int = 0,
-):
-    """The residency core for `config.policy` on `device` under `config.gpu_memory_bytes`;
+) -> Residency:
+    """The residency for `config.policy` on `device` under `config.gpu_memory_bytes`;
     `moe_scratch_bytes` joins `M_fixed` (the MoE compute's scratch, which the engine knows)."""
     spec = policy_spec(config.policy)
     mode, needs_lo = spec.memory_mode, spec.needs_lo
     budget_bytes = config.gpu_memory_bytes
     if budget_bytes is None:
         if device.type == "cpu" and mode != "all-lo":
-            return DirectResidency(store, metrics)  # host memory is device memory: nothing to move
+            return StaticResidency(store, metrics, device)  # host memory is device memory: nothing to move
         budget_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.9) if device.type == "cuda" else 1 << 62
     hi_bytes = store.bytes_per_expert("hi")
     fixed = fixed_costs(config, model_config, model, store.shape.dtype, moe_scratch_bytes, budget_bytes)
@@ -176,9 +176,7 @@ def build_residency(
     transfer = (
         CudaTransfer(device)
         if device.type == "cuda"
-        else CpuTransfer(
-            config.extra.get("cpu_bandwidth_bytes_per_s"), poison=config.extra.get("poison", False)
-        )
+        else CpuTransfer(config.simulated_copy_bytes_per_s, poison=config.poison_slots)
     )
     options = ResidencyOptions(
         mode=mode,
@@ -186,6 +184,7 @@ def build_residency(
         on_miss=resolve_on_miss(spec.on_miss or config.on_miss, mode),
         hi_precision=hi_precision,
         mid_precisions=mids,
+        eviction=spec.eviction,
         deterministic=config.deterministic,
         wait_for_copies=config.wait_for_copies,
     )
@@ -243,10 +242,11 @@ def drop_host_versions(
 
 __all__ = [
     "BudgetTracker",
-    "DirectResidency",
     "ExpertMetrics",
     "MemoryPlan",
+    "Residency",
     "ResidencyManager",
     "ResidencyOptions",
+    "StaticResidency",
     "build_residency",
 ]

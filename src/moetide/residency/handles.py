@@ -48,11 +48,9 @@ class DeviceVersion:
     views: dict[str, torch.Tensor]
     meta: object
     published: bool = False
-    last_read: object = None  # compute marker after the last step that used it
     last_use: int = 0  # LRU tick
-    prefetched: bool = False  # brought in by a prefetch, not yet used
+    prefetched: bool = False  # brought in by a prediction, not yet used (a miss fill is not one)
     issued_at: int = -1  # the iteration its copy was started in
-    uses: int = 0
     gen: int = 0  # its copy's number, written to the slot's landed word after the data (wait_for_copies)
 
 
@@ -62,7 +60,6 @@ class ExpertHandle:
     expert: int
     versions: dict[str, DeviceVersion] = field(default_factory=dict)  # pool -> version
     target: str = "hi"  # the tier the precision policy wants: "hi", "mid<t>" or "lo"
-    in_use: int = 0  # forward passes currently reading it
     evicting: int = 0  # released versions whose readers may still run
 
     def published(self, pool: str) -> DeviceVersion | None:

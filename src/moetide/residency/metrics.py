@@ -13,9 +13,8 @@ class LayerCounters:
     # every use is exactly one of these three: used == hits + lo_runs + misses
     hits: int = 0  # the wanted version was resident (hi; lo where lo is what the policy runs)
     lo_runs: int = 0  # the hi version was not resident and the resident lo version ran in its place
-    misses: int = 0  # nothing usable was resident: loaded on demand (a stall)
+    misses: int = 0  # nothing usable was resident: read from host memory (zero-copy), or not run
     mid_runs: int = 0  # of the lo runs, those that ran a ladder's middle tier (neither hi nor lo)
-    stall_s: float = 0.0  # seconds the forward pass waited for on-demand loads
 
 
 @dataclass
@@ -26,8 +25,9 @@ class ExpertMetrics:
     layers: list[LayerCounters] = field(default_factory=list)
     bytes_h2d: int = 0
     copies: int = 0
-    prefetches_issued: int = 0
-    prefetches_used: int = 0
+    prefetches_issued: int = 0  # copies started for a prediction (not for experts already resident)
+    prefetches_used: int = 0  # predicted versions read by a step before their eviction
+    miss_fills: int = 0  # copies started to cache an expert a step ran from host memory (hi caches)
     prefetches_late: int = 0  # a prefetched version still on its way when its layer read the table
     parked_misses: int = 0  # a resident version kept out of the step's table (the in-step reserve)
     unparked: int = 0  # parked versions predicted within the step: their entries came back at once
@@ -73,10 +73,6 @@ class ExpertMetrics:
         return sum(c.mid_runs for c in self.layers)
 
     @property
-    def stall_s(self) -> float:
-        return sum(c.stall_s for c in self.layers)
-
-    @property
     def hit_rate(self) -> float:
         """Share of uses that found the wanted version (a lo run in place of hi is not a hit, so
         combined's rate compares with lru's)."""
@@ -91,11 +87,11 @@ class ExpertMetrics:
             "hit_rate": round(self.hit_rate, 4),
             "lo_runs": self.lo_runs,
             "mid_runs": self.mid_runs,
-            "stall_s": round(self.stall_s, 6),
             "bytes_h2d": self.bytes_h2d,
             "copies": self.copies,
             "prefetches_issued": self.prefetches_issued,
             "prefetches_used": self.prefetches_used,
+            "miss_fills": self.miss_fills,
             "prefetches_late": self.prefetches_late,
             "parked_misses": self.parked_misses,
             "unparked": self.unparked,
@@ -112,7 +108,7 @@ class ExpertMetrics:
             "resident": resident or {},
             "per_layer": [
                 {"used": c.used, "hits": c.hits, "lo_runs": c.lo_runs, "mid_runs": c.mid_runs,
-                 "misses": c.misses, "stall_s": round(c.stall_s, 6)}
+                 "misses": c.misses}
                 for c in self.layers
             ],
         }

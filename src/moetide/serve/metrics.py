@@ -63,10 +63,10 @@ class _ExpertCollector:
         hit_rate.add_metric([], float(snap.get("hit_rate", 0.0)))
         yield hit_rate
         counters = (
-            ("moetide_expert_stall_seconds", "Seconds the forward pass waited for expert loads", "stall_s"),
             ("moetide_expert_bytes_moved", "Expert bytes copied host to device", "bytes_h2d"),
             ("moetide_expert_hits", "Expert uses found resident", "hits"),
-            ("moetide_expert_misses", "Expert uses loaded on demand or run lo on a miss", "misses"),
+            ("moetide_expert_misses", "Expert uses with no device version: read from host memory", "misses"),
+            ("moetide_expert_lo_runs", "Expert uses that ran lo in place of hi", "lo_runs"),
             ("moetide_expert_promotions", "Experts promoted to the hi precision", "promotions"),
             ("moetide_expert_demotions", "Experts demoted to the lo precision", "demotions"),
             ("moetide_expert_evictions", "Experts evicted from the device", "evictions"),
