@@ -15,8 +15,9 @@ ninth client's own request is left (disconnected) when the 8 streams end.
     special_chat   MAX_CHAT_MESSAGES messages whose content is `<|end|>` x 32 (a check of every
                    special-token match against every message was quadratic); answered 400 (longer
                    than the context) once encoded; control: the same messages with plain text
-    message_count  a body of empty messages up to the size limit (~270,000); control: one message of
-                   the same size, refused from its length
+    message_count  the issue's largest reproducer: 8,000 messages whose content is `<|end|>` (340 KB;
+                   over MAX_CHAT_MESSAGES); control: one message of plain text of the same size
+                   (tokenized, then answered 400: longer than the context)
 
 The tests (tests/test_fairness.py) run `measure_kind` against a server in their own process; this
 script starts `moetide serve` on the demo model as a child process (its own interpreter) unless
@@ -94,12 +95,11 @@ def ninth_request(kind: str, model: str, *, adversarial: bool, tokens: int = TOK
         messages = [{"role": roles[i % 2], "content": content} for i in range(MAX_CHAT_MESSAGES)]
         return Ninth(chat, [_json({"model": model, "messages": messages, "max_tokens": 1})], stream=False)
     if kind == "message_count":
-        room = DEFAULT_MAX_REQUEST_BYTES - 200
-        one = _json({"role": "user", "content": ""})
-        if adversarial:
-            messages = [{"role": "user", "content": ""}] * (room // (len(one) + 1))
-        else:
-            messages = [{"role": "user", "content": "x" * (room - 100)}]
+        if adversarial:  # the largest reproducer: 8,000 messages of `<|end|>` (340 KB)
+            roles = ("user", "assistant")
+            messages = [{"role": roles[i % 2], "content": "<|end|>"} for i in range(8000)]
+        else:  # one message of the same size, plain text
+            messages = [{"role": "user", "content": "x" * (8000 * len("<|end|>") + 8000 * 30)}]
         return Ninth(chat, [_json({"model": model, "messages": messages, "max_tokens": 1})], stream=False)
     raise ValueError(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 HASH_CHUNK_BYTES = 64 << 20  # chunks hashed in parallel: enough of them for 8 threads at ~1 GB
@@ -51,7 +51,7 @@ def save_checked(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     """Write `tensors` to `path` with a content hash per tensor in the metadata, atomically.
 
     Raises:
-        OSError: the location cannot be written (nothing is left behind).
+        OSError: the location cannot be written, or the write failed (a full disk); nothing is left.
     """
     record = dict(metadata or {})
     record[_CHUNK_KEY] = str(HASH_CHUNK_BYTES)
@@ -59,7 +59,10 @@ def save_checked(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata=record)
+        try:
+            save_file(tensors, str(tmp), metadata=record)
+        except SafetensorError as e:  # the writer's own error type for a failed write (a full disk)
+            raise OSError(f"cannot write {tmp}: {e}") from None
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)  # gone already after the rename; left by a failed write or rename
