@@ -82,8 +82,14 @@ def ninth_request(kind: str, model: str, *, adversarial: bool, tokens: int = TOK
     chat = "/v1/chat/completions"
     hello = [{"role": "user", "content": "Tell me about the sea."}]
     if kind == "stop_list":
-        streaming = {"model": model, "messages": hello, "stream": True, "temperature": 0, "ignore_eos": True,
-                     "max_tokens": 1900}  # fmt: skip
+        streaming = {
+            "model": model,
+            "messages": hello,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+            "max_tokens": 1900,
+        }
         if not adversarial:
             return Ninth(chat, [_json(streaming)], stream=True)
         huge = [f"s{i:07d}" for i in range((DEFAULT_MAX_REQUEST_BYTES - 400) // len('"s0000000",'))]
@@ -191,9 +197,15 @@ def measure_kind(base_url: str, model: str, kind: str, *, tokens: int = TOKENS, 
         control = asyncio.run(run_once(base_url, model, control_ninth, tokens=tokens))
         hostile = asyncio.run(run_once(base_url, model, hostile_ninth, tokens=tokens))
         ratio = hostile.median_tpot_s / control.median_tpot_s
-        pairs.append({"control": asdict(control), "adversarial": asdict(hostile), "ratio": ratio,
-                      "control_median_tpot_s": control.median_tpot_s,
-                      "adversarial_median_tpot_s": hostile.median_tpot_s})  # fmt: skip
+        pairs.append(
+            {
+                "control": asdict(control),
+                "adversarial": asdict(hostile),
+                "ratio": ratio,
+                "control_median_tpot_s": control.median_tpot_s,
+                "adversarial_median_tpot_s": hostile.median_tpot_s,
+            }
+        )
         if ratio <= GOAL:
             break
     return {"kind": kind, "ratio": min(p["ratio"] for p in pairs), "pairs": pairs}
@@ -202,8 +214,19 @@ def measure_kind(base_url: str, model: str, kind: str, *, tokens: int = TOKENS, 
 # -- the benchmark: a child `moetide serve` on the demo model ------------------------------------------------
 def start_server(timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
     """`moetide serve` on the demo model (CPU, 16 sequences) on a free loopback port."""
-    cmd = [sys.executable, "-m", "moetide.cli", "serve", "--device", "cpu", "--max-num-seqs", "16",
-           "--port", "0", "--quiet"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moetide.cli",
+        "serve",
+        "--device",
+        "cpu",
+        "--max-num-seqs",
+        "16",
+        "--port",
+        "0",
+        "--quiet",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
     for line in proc.stdout:
@@ -216,7 +239,9 @@ def start_server(timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", default=None, help="a running server (default: start one on the demo model)")
     parser.add_argument("--model", default="moetide-demo", help="the served model name")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to measure")
@@ -228,20 +253,33 @@ def main() -> int:
     try:
         results = []
         for kind in [k for k in args.kinds.split(",") if k]:
-            pairs = [measure_kind(url, args.model, kind, tokens=args.tokens)["pairs"][0]
-                     for _ in range(args.repeats)]  # fmt: skip
+            pairs = [
+                measure_kind(url, args.model, kind, tokens=args.tokens)["pairs"][0]
+                for _ in range(args.repeats)
+            ]
             ratios = [p["ratio"] for p in pairs]
-            results.append({"kind": kind, "median_ratio": statistics.median(ratios), "ratios": ratios,
-                            "pairs": pairs})  # fmt: skip
-            print(f"{kind:14s} ratio median {statistics.median(ratios):.3f} (runs: "
-                  + ", ".join(f"{r:.3f}" for r in ratios) + ")", flush=True)  # fmt: skip
+            results.append(
+                {"kind": kind, "median_ratio": statistics.median(ratios), "ratios": ratios, "pairs": pairs}
+            )
+            print(
+                f"{kind:14s} ratio median {statistics.median(ratios):.3f} (runs: "
+                + ", ".join(f"{r:.3f}" for r in ratios)
+                + ")",
+                flush=True,
+            )
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
     worst = max(r["median_ratio"] for r in results)
-    report = {"goal": GOAL, "worst_median_ratio": worst, "streams": STREAMS, "tokens": args.tokens,
-              "url": args.url or "moetide serve (demo model, CPU, --max-num-seqs 16)", "kinds": results}  # fmt: skip
+    report = {
+        "goal": GOAL,
+        "worst_median_ratio": worst,
+        "streams": STREAMS,
+        "tokens": args.tokens,
+        "url": args.url or "moetide serve (demo model, CPU, --max-num-seqs 16)",
+        "kinds": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"worst median ratio {worst:.3f} (goal <= {GOAL}); raw JSON: {args.out}")

@@ -62,7 +62,12 @@ def start_server(
 
 
 def start_frontend(
-    async_engine, tokenizer, *, lifespan: str = "off", read_timeout_s: float = 30, model_name: str = MODEL,
+    async_engine,
+    tokenizer,
+    *,
+    lifespan: str = "off",
+    read_timeout_s: float = 30,
+    model_name: str = MODEL,
     **app_kwargs,
 ) -> LiveServer:
     """uvicorn on a free loopback port over `async_engine`. With lifespan "off" it is one more front end
@@ -92,4 +97,3 @@ def start_frontend(
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     return LiveServer(f"http://127.0.0.1:{port}", async_engine, tokenizer, server, thread)
-

@@ -15,8 +15,22 @@ from moetide.engine.detokenize import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, f
 from moetide.engine.sampling import SamplingParams
 from moetide.errors import ConfigError
 
-PIECES = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|endoftext|>", "<|", "|>", "end", "hi",
-          " there", "\n", "é", "東京", " "]  # fmt: skip
+PIECES = [
+    "<|end|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|system|>",
+    "<|endoftext|>",
+    "<|",
+    "|>",
+    "end",
+    "hi",
+    " there",
+    "\n",
+    "é",
+    "東京",
+    " ",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +44,10 @@ def demo_tokenizer():
 
 def _conversation(rng: random.Random, n: int) -> list[dict]:
     roles = ("user", "assistant", "system")
-    return [{"role": rng.choice(roles), "content": "".join(rng.choices(PIECES, k=rng.randint(0, 8)))}
-            for _ in range(n)]  # fmt: skip
+    return [
+        {"role": rng.choice(roles), "content": "".join(rng.choices(PIECES, k=rng.randint(0, 8)))}
+        for _ in range(n)
+    ]
 
 
 def _reference_ids(tok, messages: list[dict]) -> list[int]:
@@ -40,7 +56,7 @@ def _reference_ids(tok, messages: list[dict]) -> list[int]:
     piece between them tokenized on its own as text."""
     import re
 
-    encoder = ChatEncoder(tok)
+    encoder = ChatEncoder(tok)  # the reference shares only the rendering and the spans
     text = encoder.render(messages)
     spans = encoder._content_spans(messages, text)
     special = re.compile("|".join(re.escape(s) for s in sorted(encoder.specials, key=len, reverse=True)))
@@ -59,6 +75,44 @@ def test_the_encoder_gives_the_reference_ids_on_random_conversations(demo_tokeni
     for _ in range(200):
         messages = _conversation(rng, rng.randint(1, 6))
         assert encoder.encode(messages) == _reference_ids(demo_tokenizer, messages), messages
+
+
+def test_a_special_token_formed_across_a_contents_edge_stays_text(demo_tokenizer):
+    """A template that writes `<|` before each content and `|>` after it: content `end` makes
+    `<|end|>` across both edges, which overlaps the content and so is text."""
+    import copy
+
+    tok = copy.deepcopy(demo_tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n<|' + m['content'] + '|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    )
+    encoder = ChatEncoder(tok)
+    ids = encoder.encode([{"role": "user", "content": "end"}])
+    assert tok.convert_tokens_to_ids("<|end|>") not in ids
+    assert ids[0] == tok.convert_tokens_to_ids("<|user|>") and ids[-2] == tok.convert_tokens_to_ids(
+        "<|assistant|>"
+    )
+    rng = random.Random(2)
+    for _ in range(100):
+        messages = _conversation(rng, rng.randint(1, 4))
+        assert encoder.encode(messages) == _reference_ids(tok, messages), messages
+
+
+def test_under_a_template_that_trims_contents_only_a_whole_special_token_is_refused(demo_tokenizer):
+    import copy
+
+    tok = copy.deepcopy(demo_tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] | trim + '<|end|>' }}{% endfor %}"
+    )
+    encoder = ChatEncoder(tok)
+    with pytest.raises(ChatEncodingError, match="cannot be kept apart"):
+        encoder.encode([{"role": "user", "content": " hi <|end|> "}])
+    rendered = encoder.render([{"role": "user", "content": " is 3 < "}])  # ends like a token's head
+    assert encoder.encode([{"role": "user", "content": " is 3 < "}]) == tok.encode(
+        rendered, add_special_tokens=False
+    )
 
 
 def test_messages_of_special_token_text_keep_only_the_templates_special_tokens(demo_tokenizer):
@@ -82,11 +136,18 @@ def test_a_conversation_over_the_cap_is_refused_before_the_template_runs(demo_to
     assert rendered == []
 
 
+MALFORMED = [
+    ([], "non-empty list"),
+    ("hi", "non-empty list"),
+    ([{"content": "x"}], "role"),
+    ([{"role": "user", "content": 5}], "content must be a string"),
+    ([{"role": "robot", "content": "x"}], "template refused"),
+]
+
+
 @pytest.mark.parametrize(
     "messages, fragment",
-    [([], "non-empty list"), ("hi", "non-empty list"), ([{"content": "x"}], "role"),
-     ([{"role": "user", "content": 5}], "content must be a string"),
-     ([{"role": "robot", "content": "x"}], "template refused")],  # fmt: skip
+    MALFORMED,
     ids=["empty", "a string", "no role", "content not a string", "role the template refuses"],
 )
 def test_malformed_messages_get_one_line(demo_tokenizer, messages, fragment):

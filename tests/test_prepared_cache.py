@@ -20,8 +20,18 @@ from moetide.models.loader import load_weights
 from moetide.store.checked_file import DamagedFileError, load_checked, save_checked
 from moetide.store.prepare import cache_file, ensure_precision, load_cached
 
-GENERATE = ("generate", "--device", "cpu", "--policy", "static-int2", "--max-tokens", "3", "--temperature", "0",
-            "The sea")  # fmt: skip
+GENERATE = (
+    "generate",
+    "--device",
+    "cpu",
+    "--policy",
+    "static-int2",
+    "--max-tokens",
+    "3",
+    "--temperature",
+    "0",
+    "The sea",
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +99,19 @@ def test_a_write_that_fails_midway_leaves_no_temporary_file(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
         try:
-            save_checked({{"arena": torch.zeros(1 << 20, dtype=torch.uint8)}}, Path({str(tmp_path)!r}) / "c.safetensors")
+            arena = torch.zeros(1 << 20, dtype=torch.uint8)
+            save_checked({{"arena": arena}}, Path({str(tmp_path)!r}) / "c.safetensors")
         except OSError as e:
             print("OSError", e)
     """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, check=False
+    )
     assert proc.stdout.startswith("OSError"), proc.stdout + proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
-# -- through the store, on the tiny checkpoint -----------------------------------------------------------------
+# -- through the store, on the tiny checkpoint ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def olmoe(tiny_checkpoints):
     return tiny_checkpoints["olmoe"][0]

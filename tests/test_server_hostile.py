@@ -33,7 +33,10 @@ CHAT = "/v1/chat/completions"
 def demo():
     """(live server, the library's ids and greedy output for FORGED)."""
     llm = moetide.LLM(device="cpu", max_num_seqs=16)
-    library = llm.apply_chat_template(FORGED), llm.chat(FORGED, moetide.SamplingParams(max_tokens=8, temperature=0))[0]
+    library = (
+        llm.apply_chat_template(FORGED),
+        llm.chat(FORGED, moetide.SamplingParams(max_tokens=8, temperature=0))[0],
+    )
     async_engine = AsyncEngine(llm.engine, loaded=llm.loaded, max_queue=64, expert_metrics_interval_s=0.05)
     live = start_frontend(async_engine, llm.tokenizer, lifespan="on", model_name=MODEL)
     live.library = library
@@ -48,7 +51,9 @@ def _post(live, path: str, body: dict, **headers) -> httpx.Response:
 
 
 def _still_serves(live) -> None:
-    answer = _post(live, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    answer = _post(
+        live, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
     assert answer.status_code == 200, answer.text
 
 
@@ -68,8 +73,9 @@ def test_library_and_server_encode_a_forged_conversation_alike_with_text_for_its
     library_ids, library_out = demo.library
     specials = {tok.convert_tokens_to_ids(t) for t in ("<|end|>", "<|assistant|>", "<|user|>")}
     # one user header and its end from the template, then the generation prompt: nothing forged
-    assert [i for i in library_ids if i in specials] == [tok.convert_tokens_to_ids(t)
-                                                         for t in ("<|user|>", "<|end|>", "<|assistant|>")]  # fmt: skip
+    assert [i for i in library_ids if i in specials] == [
+        tok.convert_tokens_to_ids(t) for t in ("<|user|>", "<|end|>", "<|assistant|>")
+    ]
     assert demo.app_server.encoder.encode_chat(FORGED) == library_ids
     answer = demo.client().chat.completions.create(model=MODEL, messages=FORGED, max_tokens=8, temperature=0)
     assert answer.usage.prompt_tokens == len(library_ids)
@@ -81,20 +87,34 @@ def test_the_issues_stop_list_is_refused_and_the_largest_allowed_one_runs(demo):
     client = demo.client()
     huge = [f"s{i:07d}" for i in range(400_000)]  # 4.8 MB, under the 8 MiB body limit
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stop=huge,
-                                       max_tokens=1900, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            stop=huge,
+            max_tokens=1900,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
     assert info.value.body["param"] == "stop" and f"at most {MAX_STOP_STRINGS}" in info.value.body["message"]
-    too_long = _post(demo, CHAT, {"model": MODEL, "messages": FORGED, "stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]})
+    too_long = _post(
+        demo, CHAT, {"model": MODEL, "messages": FORGED, "stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}
+    )
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "stop"
     widest = ["\x01" * (MAX_STOP_STRING_CHARS - 2) + f"{i:02d}" for i in range(MAX_STOP_STRINGS)]
-    ok = client.chat.completions.create(model=MODEL, messages=FORGED, stop=widest, max_tokens=4, temperature=0,
-                                        extra_body={"ignore_eos": True})  # fmt: skip
+    ok = client.chat.completions.create(
+        model=MODEL,
+        messages=FORGED,
+        stop=widest,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert ok.usage.completion_tokens == 4
     completions = _post(demo, "/v1/completions", {"model": MODEL, "prompt": "hi", "stop": huge[:17]})
     assert completions.status_code == 400 and completions.json()["error"]["param"] == "stop"
 
 
-# -- 2: chat messages full of special-token text --------------------------------------------------------------
+# -- 2: chat messages full of special-token text -------------------------------------------------------------
 def test_messages_of_special_token_text_are_encoded_or_refused_by_count(demo):
     def ends(n: int) -> dict:
         roles = ("user", "assistant")
@@ -118,8 +138,11 @@ def _raw_request(live, body: dict) -> socket.socket:
     host, port = live.base_url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)  # fmt: skip
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     return sock
 
 
@@ -152,8 +175,12 @@ def test_encoding_is_given_up_when_the_client_leaves(demo):
         busy = [_raw_request(demo, body) for _ in range(PREPARE_THREADS)]
         _wait_for(lambda: len(entered) == PREPARE_THREADS, "every preparation thread to be busy")
         _raw_request(demo, body).close()  # waits for a thread, then its client leaves
-        _wait_for(lambda: _labelled_metric(demo, "moetide_requests_rejected_total", "client_gone")
-                  == gone_before + 1, "the waiting request to be given up")  # fmt: skip
+        _wait_for(
+            lambda: (
+                _labelled_metric(demo, "moetide_requests_rejected_total", "client_gone") == gone_before + 1
+            ),
+            "the waiting request to be given up",
+        )
         for sock in busy:
             sock.close()
         _wait_for(lambda: all(c.is_set() for c in entered), "the encodings under way to be cancelled")
@@ -161,7 +188,9 @@ def test_encoding_is_given_up_when_the_client_leaves(demo):
         release.set()
         encoder.encode_chat = original
     gone = gone_before + 1 + PREPARE_THREADS
-    _wait_for(lambda: _labelled_metric(demo, "moetide_requests_rejected_total", "client_gone") == gone, "count")
+    _wait_for(
+        lambda: _labelled_metric(demo, "moetide_requests_rejected_total", "client_gone") == gone, "count"
+    )
     _still_serves(demo)  # prepared after anything still queued (first in, first out) had started
     assert len(entered) == PREPARE_THREADS  # the one that waited was never encoded
     assert demo.metric("moetide_prompt_tokens_total") == prompt_tokens_before + len(_still_serves_ids(demo))
@@ -169,15 +198,34 @@ def test_encoding_is_given_up_when_the_client_leaves(demo):
         original(body["messages"], entered[0])  # what the released encodings did: stopped at once
 
 
-# -- 6: explicit null means the default -----------------------------------------------------------------------
-NULLABLE = ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "top_k", "ignore_eos",
-            "stop", "stream_options", "user", "logprobs", "max_tokens")  # fmt: skip
+# -- 6: explicit null means the default ----------------------------------------------------------------------
+NULLABLE = (
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "ignore_eos",
+    "stop",
+    "stream_options",
+    "user",
+    "logprobs",
+    "max_tokens",
+)
 ROUTES = {
-    CHAT: ({"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}]},
-           lambda j: j["choices"][0]["message"]["content"], ("max_completion_tokens", "top_logprobs")),
-    "/v1/completions": ({"model": MODEL, "prompt": "The sea"}, lambda j: j["choices"][0]["text"],
-                        ("echo", "best_of", "suffix")),
-}  # fmt: skip
+    CHAT: (
+        {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}]},
+        lambda j: j["choices"][0]["message"]["content"],
+        ("max_completion_tokens", "top_logprobs"),
+    ),
+    "/v1/completions": (
+        {"model": MODEL, "prompt": "The sea"},
+        lambda j: j["choices"][0]["text"],
+        ("echo", "best_of", "suffix"),
+    ),
+}
 
 
 @pytest.mark.parametrize("path", list(ROUTES))
@@ -198,19 +246,19 @@ def test_null_means_the_default_for_every_nullable_field(demo, path):
     assert everything.status_code == 200, everything.text
 
 
-# -- 7: HTTP framing errors get the OpenAI error body ----------------------------------------------------------
+# -- 7: HTTP framing errors get the OpenAI error body --------------------------------------------------------
 FRAMING = {
     "Content-Length -1": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: -1\r\n\r\n",
+    b"Content-Length: -1\r\n\r\n",
     "Content-Length abc": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: abc\r\n\r\n",
+    b"Content-Length: abc\r\n\r\n",
     "bad chunk size": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n",
+    b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n",
     "NUL in a header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Note: a\x00b\r\n\r\n",
     "garbage request line": b"GARBAGE\r\n\r\n",
     "two Content-Lengths": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
-}  # fmt: skip
+    b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+}
 
 
 @pytest.mark.parametrize("case", list(FRAMING))
@@ -229,7 +277,7 @@ def test_framing_errors_answer_with_the_openai_error_body(demo, case):
     _still_serves(demo)
 
 
-# -- 8: the Bearer scheme in any case ----------------------------------------------------------------------------
+# -- 8: the Bearer scheme in any case ------------------------------------------------------------------------
 def test_the_bearer_scheme_is_case_insensitive(demo):
     live = start_frontend(demo.engine, demo.tokenizer, model_name=MODEL, api_key="sk-key")
     try:

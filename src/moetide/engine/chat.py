@@ -2,8 +2,12 @@
 (`LLM.chat`, `LLM.apply_chat_template`) and the server.
 
 Special-token text inside a message's content is tokenized as text: `<|end|>` written by a user is
-seven characters, never the end-of-turn token, so nobody can forge a role. The template's own
-special tokens count. The work is linear in the prompt: two renders of the template, one pass over
+seven characters, never the end-of-turn token, so nobody can forge a role; so is a special token that
+a message's text completes with the template's text around it (content `end` between a template's
+`<|` and `|>`). The template's own special tokens count. Under a template that changes message text
+(trims it, say) contents cannot be located: a message holding a whole special token is refused, and
+one that only begins or ends like part of one is encoded as the tokenizer reads the rendered text.
+The work is linear in the prompt: two renders of the template, one pass over
 the special-token matches of the rendered text against the (ordered) content spans, and one batch
 tokenization of the pieces between the template's special tokens. The message count is capped
 (`MAX_CHAT_MESSAGES`).
@@ -101,12 +105,44 @@ class ChatEncoder:
         _check(cancel)
         text = self.render(messages)
         specials = self._special_re
-        if specials is None or not any(specials.search(m["content"]) for m in messages):
-            _check(cancel)
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        spans = self._content_spans(messages, text)
+        whole = specials is not None and any(specials.search(m["content"]) for m in messages)
+        spans = None
+        if whole or any(self._may_join(m["content"]) for m in messages):
+            spans = self._content_spans(messages, text)
+            if spans is None and whole:
+                raise ChatEncodingError(
+                    "a message contains the text of one of this model's special tokens, and its chat"
+                    " template changes message text, so it cannot be kept apart: remove the special token"
+                )
         _check(cancel)
+        if spans is None:  # no special token can come from a message's text
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
         return self._encode_with_text_spans(text, spans, cancel)
+
+    @functools.cached_property
+    def _fragments(self) -> tuple[frozenset[str], frozenset[str], frozenset[str], int]:
+        """Parts of special tokens that a message's text could complete with the template's text
+        around it: (tails `S[i:]`, heads `S[:j]`, inner parts `S[i:j]`, the longest token's length)."""
+        tails = {s[i:] for s in self.specials for i in range(1, len(s))}
+        heads = {s[:j] for s in self.specials for j in range(1, len(s))}
+        inner = {s[i:j] for s in self.specials for i in range(1, len(s)) for j in range(i + 1, len(s))}
+        return (
+            frozenset(tails),
+            frozenset(heads),
+            frozenset(inner | tails | heads),
+            max(map(len, self.specials)),
+        )
+
+    def _may_join(self, content: str) -> bool:
+        """Whether `content` could be part of a special token that starts or ends outside it: it starts
+        with a token's tail, ends with a token's head, or is inside one. O(longest token) lookups."""
+        if not content or not self.specials:
+            return False
+        tails, heads, inner, longest = self._fragments
+        reach = min(len(content), longest - 1)
+        if any(content[:k] in tails for k in range(1, reach + 1)):
+            return True
+        return any(content[-k:] in heads for k in range(1, reach + 1)) or content in inner
 
     def render(self, messages: list[dict]) -> str:
         try:
@@ -114,10 +150,10 @@ class ChatEncoder:
         except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. roles must alternate)
             raise ChatEncodingError(f"the chat template refused these messages: {e}") from None
 
-    def _content_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
-        """Where each message's content sits in the rendered `text`, in order: render once more with
-        unguessable markers as contents, and accept only if putting the contents back gives `text`
-        exactly."""
+    def _content_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]] | None:
+        """Where each non-empty message content sits in the rendered `text`, in order: render once
+        more with unguessable markers as contents, and accept only if putting the contents back gives
+        `text` exactly (None: the template changes message text)."""
         nonce = uuid.uuid4().hex
         marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
         marked = self.render([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)])
@@ -125,15 +161,11 @@ class ChatEncoder:
         rebuilt, spans, end = [pieces[0]], [], len(pieces[0])
         for index, after in zip(pieces[1::2], pieces[2::2], strict=True):
             content = messages[int(index)]["content"]
-            spans.append((end, end + len(content)))
+            if content:
+                spans.append((end, end + len(content)))
             rebuilt += (content, after)
             end += len(content) + len(after)
-        if "".join(rebuilt) != text:
-            raise ChatEncodingError(
-                "a message contains the text of one of this model's special tokens, and its chat"
-                " template changes message text, so it cannot be kept apart: remove the special token"
-            )
-        return spans
+        return spans if "".join(rebuilt) == text else None
 
     def _encode_with_text_spans(
         self, text: str, spans: list[tuple[int, int]], cancel: threading.Event | None

@@ -146,8 +146,12 @@ def read_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
     class ReadTimeoutH11Protocol(H11Protocol):
         def send_400_response(self, msg: str) -> None:
             payload = json.dumps(error_body(INVALID_HTTP_MESSAGE, code="invalid_http")).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                       (b"connection", b"close")]  # fmt: skip
+            length = str(len(payload)).encode()
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", length),
+                (b"connection", b"close"),
+            ]
             try:
                 response = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
                 self.transport.write(self.conn.send(response))

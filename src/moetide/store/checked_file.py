@@ -47,7 +47,9 @@ def tensor_digest(tensor: torch.Tensor, chunk_bytes: int = HASH_CHUNK_BYTES) -> 
     return top.hexdigest()
 
 
-def save_checked(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+def save_checked(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
     """Write `tensors` to `path` with a content hash per tensor in the metadata, atomically.
 
     Raises:
