@@ -157,9 +157,10 @@ def test_encoding_is_given_up_when_the_client_leaves(demo):
     """Every preparation thread busy (their encodings held at the start): a request whose client
     leaves while it waits for a thread never starts; those whose clients leave while they are being
     encoded stop at the encoder's next step; none reaches the engine."""
-    encoder = demo.app_server.encoder
-    original = encoder.encode_chat
+    server, encoder = demo.app_server, demo.app_server.encoder
+    original, prepare = encoder.encode_chat, server.prepare
     entered: list = []
+    prepared: list = []  # the bodies the preparation threads began to parse
     release = threading.Event()
 
     def held(messages, cancel=None):
@@ -167,7 +168,12 @@ def test_encoding_is_given_up_when_the_client_leaves(demo):
         release.wait(30)
         return original(messages, cancel)
 
+    def counted(raw, kind, cancel=None):
+        prepared.append(raw)
+        return prepare(raw, kind, cancel)
+
     encoder.encode_chat = held  # this instance only
+    server.prepare = counted
     gone_before = _labelled_metric(demo, "moetide_requests_rejected_total", "client_gone")
     prompt_tokens_before = demo.metric("moetide_prompt_tokens_total")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "<|end|>" * 50}] * 100}
@@ -184,18 +190,22 @@ def test_encoding_is_given_up_when_the_client_leaves(demo):
         for sock in busy:
             sock.close()
         _wait_for(lambda: all(c.is_set() for c in entered), "the encodings under way to be cancelled")
+        release.set()
+        gone = gone_before + 1 + PREPARE_THREADS
+        _wait_for(
+            lambda: _labelled_metric(demo, "moetide_requests_rejected_total", "client_gone") == gone, "count"
+        )
+        _still_serves(demo)  # prepared after anything still queued (first in, first out) had started
     finally:
         release.set()
         encoder.encode_chat = original
-    gone = gone_before + 1 + PREPARE_THREADS
-    _wait_for(
-        lambda: _labelled_metric(demo, "moetide_requests_rejected_total", "client_gone") == gone, "count"
-    )
-    _still_serves(demo)  # prepared after anything still queued (first in, first out) had started
-    assert len(entered) == PREPARE_THREADS  # the one that waited was never encoded
+        server.__dict__.pop("prepare", None)  # the class's method again
+    # the held ones, then _still_serves': the one that waited was never encoded, nor even parsed
+    assert len(entered) == len(prepared) == PREPARE_THREADS + 1
+    assert all(c.is_set() for c in entered[:PREPARE_THREADS]) and not entered[-1].is_set()
     assert demo.metric("moetide_prompt_tokens_total") == prompt_tokens_before + len(_still_serves_ids(demo))
     with pytest.raises(EncodingCancelled):
-        original(body["messages"], entered[0])  # what the released encodings did: stopped at once
+        original(body["messages"], entered[0])  # what the released encodings did: stop at once
 
 
 # -- 6: explicit null means the default ----------------------------------------------------------------------
