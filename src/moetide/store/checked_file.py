@@ -1,8 +1,8 @@
 """safetensors cache files that carry a content hash per tensor, written atomically.
 
 `save_checked` writes `{name: tensor}` with, in the file's metadata, `sha256.<name>`: a SHA-256 over
-the SHA-256s of the tensor's bytes in `HASH_CHUNK_BYTES` chunks (with its dtype and shape), so that
-`load_checked` hashes the chunks on several threads. A hash per tensor rather than per file: it
+the SHA-256s of the tensor's bytes in `HASH_CHUNK_BYTES` chunks (with its dtype and shape), so that the
+chunks are hashed on several threads. A hash per tensor rather than per file: it
 covers exactly the bytes a store adopts and lives in the header of the file it checks (a file hash
 cannot be inside its own file, and a side file can be lost or copied apart from it).
 
@@ -70,11 +70,11 @@ def save_checked(
         tmp.unlink(missing_ok=True)  # gone already after the rename; left by a failed write or rename
 
 
-def load_checked(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor of `path` and its metadata, each tensor's hash checked.
+def open_checked(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of `path` (mapped from the file, not hashed yet: `check_tensor`) and its metadata.
 
     Raises:
-        DamagedFileError: unreadable, or a tensor's hash missing or different.
+        DamagedFileError: unreadable, or without a content hash for every tensor.
     """
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -86,10 +86,26 @@ def load_checked(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         raise DamagedFileError("no content hash (written by an older moetide)")
     if record[_CHUNK_KEY] != str(HASH_CHUNK_BYTES):
         raise DamagedFileError(f"hashed in chunks of {record[_CHUNK_KEY]!r} bytes, not {HASH_CHUNK_BYTES}")
+    missing = [name for name in tensors if _HASH_KEY + name not in record]
+    if missing:
+        raise DamagedFileError(f"no content hash for tensor {missing[0]!r}")
+    return tensors, record
+
+
+def check_tensor(record: dict[str, str], name: str, tensor: torch.Tensor) -> None:
+    """Raise DamagedFileError unless `tensor` (the file's tensor `name`, or a copy of it) has the
+    bytes `record` hashed."""
+    if tensor_digest(tensor) != record.get(_HASH_KEY + name):
+        raise DamagedFileError(f"the content hash of tensor {name!r} does not match its bytes")
+
+
+def load_checked(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of `path` and its metadata, each tensor's hash checked.
+
+    Raises:
+        DamagedFileError: unreadable, or a tensor's hash missing or different.
+    """
+    tensors, record = open_checked(path)
     for name, tensor in tensors.items():
-        expected = record.get(_HASH_KEY + name)
-        if expected is None:
-            raise DamagedFileError(f"no content hash for tensor {name!r}")
-        if tensor_digest(tensor) != expected:
-            raise DamagedFileError(f"the content hash of tensor {name!r} does not match its bytes")
+        check_tensor(record, name, tensor)
     return tensors, record

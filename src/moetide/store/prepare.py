@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
-from .checked_file import DamagedFileError, load_checked, save_checked
+from .checked_file import DamagedFileError, check_tensor, open_checked, save_checked
 from .host_store import HostExpertStore
 
 FORMAT_VERSION = 2  # 2: keys by the values' dtype and the format spec (per-matrix bits and groups)
@@ -114,7 +114,14 @@ def load_cached(store: HostExpertStore, path: Path, precision: str) -> bool:
     if not path.is_file():
         return False
     try:
-        arena, meta = _read_arena(store, path, precision)
+        arena, meta, record = _read_arena(store, path, precision)
+        store.load_precision(precision, arena, meta)
+        # hashed as the store holds it: the copy that had to be made anyway is what is checked
+        try:
+            check_tensor(record, "arena", store.versions[precision])
+        except DamagedFileError:
+            store.drop_precision(precision)
+            raise
     except DamagedFileError as e:
         if "hi" not in store.versions:
             raise CheckpointError(
@@ -124,17 +131,17 @@ def load_cached(store: HostExpertStore, path: Path, precision: str) -> bool:
         print(f"[moetide] prepared cache {path} is damaged ({e}): rebuilding it from the checkpoint",
               file=sys.stderr, flush=True)  # fmt: skip
         return False
-    store.load_precision(precision, arena, meta)
     return True
 
 
 def _read_arena(store: HostExpertStore, path: Path, precision: str):
-    """The cached `(L*E, nbytes)` uint8 arena and its layout, checked against its hash and this store.
+    """The cached `(L*E, nbytes)` uint8 arena (mapped, not hashed yet), its layout and the file's
+    record, checked against this store.
 
     Raises:
         DamagedFileError: saying what does not match.
     """
-    tensors, record = load_checked(path)
+    tensors, record = open_checked(path)
     arena = tensors.get("arena")
     if arena is None or len(tensors) != 1:
         raise DamagedFileError(f"holds {sorted(tensors)}, not one tensor 'arena'")
@@ -150,7 +157,7 @@ def _read_arena(store: HostExpertStore, path: Path, precision: str):
             f"its arena is {str(arena.dtype).removeprefix('torch.')} {tuple(arena.shape)},"
             f" this model needs uint8 {(rows, meta.nbytes)}"
         )
-    return arena, meta
+    return arena, meta, record
 
 
 class _LineProgress:
@@ -212,7 +219,9 @@ def ensure_precision(
 
         hessians = expert_hessians(checkpoint, path.parent, total, device)
     with progress_bar(total, f"quantizing experts to {precision}", "expert", progress) as bar:
-        store.add_precision(precision, progress=bar, device=device, hessians=hessians, experts_per_batch=per_batch)
+        store.add_precision(
+            precision, progress=bar, device=device, hessians=hessians, experts_per_batch=per_batch
+        )
     if not write_cache:
         return None
     try:
