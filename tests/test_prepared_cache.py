@@ -181,3 +181,4 @@ def test_a_damaged_cache_without_the_experts_to_rebuild_it_is_refused_in_one_lin
     with pytest.raises(CheckpointError, match="damaged .* not loaded to rebuild it") as info:
         load_cached(bare, path, "int2")
     assert "\n" not in str(info.value)
+    assert "int2" not in bare.versions  # the damaged bytes were not kept
