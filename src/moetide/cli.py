@@ -285,12 +285,12 @@ def cmd_generate(args) -> int:
 
 def prompt_ids(tokenizer, text: str, *, chat: bool) -> list[int]:
     """The prompt's token ids: one user turn through the chat template when asked and the tokenizer
-    has one, else the text as is."""
+    has one (encoded as the server and `LLM.chat` do: special-token text stays text), else the text
+    as is."""
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        from .engine.chat import ChatEncoder
+
+        return ChatEncoder(tokenizer).encode([{"role": "user", "content": text}])
     return list(tokenizer.encode(text))
 
 

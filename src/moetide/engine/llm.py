@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -12,6 +13,7 @@ from ..models.checkpoint import inspect_checkpoint, load_tokenizer
 from ..models.loader import LoadedModel, resolve_device
 from ..residency import KV_BLOCK_SIZE, MAX_PREFILL_TOKENS, kv_pool_blocks
 from .assemble import load_model
+from .chat import ChatEncoder
 from .kv_blocks import BlockAllocator
 from .llm_engine import PREFILL_CHUNK_TOKENS, LLMEngine
 from .paged_cache import PagedKVCache, decode_kernel_supported, use_decode_kernel
@@ -344,12 +346,17 @@ class LLM:
         return [RequestOutput.from_sequence(seq, text) for text, seq in seqs]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """One conversation (`[{"role", "content"}]`) -> prompt token ids, as the server encodes it:
+        special-token text inside a message's content stays text (engine/chat.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(
                 f"{self.config.model}: the tokenizer has no chat template; use generate() instead"
             )
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.chat_encoder.encode(messages)
+
+    @functools.cached_property
+    def chat_encoder(self) -> ChatEncoder:
+        return ChatEncoder(self.tokenizer)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """One conversation (list of {role, content}) or a list of them, through the chat template."""

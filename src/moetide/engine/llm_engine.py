@@ -17,13 +17,13 @@ length, a KV pool short of a block per sequence, or a row that does not sample g
 from __future__ import annotations
 
 import sys
-
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import ConfigError
+from .detokenize import find_stop
 from .kv_blocks import BlockAllocator
 from .runner import DeviceTokens, ModelRunner
 from .sampling import SamplingParams, sample_next_tokens
@@ -244,9 +244,9 @@ class LLMEngine:
             seq.text = self._decode(seq.output_ids)
             seq.finish("stop")
             return True
-        seq.text = self._decode(seq.output_ids)
+        previous, seq.text = seq.text, self._decode(seq.output_ids)
         if p.stop:
-            cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            cut = find_stop(seq.text, previous, p.stop)  # only the new tail: bounded work per token
             if cut >= 0:
                 seq.text = seq.text[:cut]
                 seq.finish("stop")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
+from .detokenize import stop_strings
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,7 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ConfigError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ConfigError("stop must be a non-empty string or a list of non-empty strings")
-        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop", stop_strings(self.stop))  # capped: engine/detokenize.py
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

@@ -10,8 +10,11 @@ Both POST routes take one path (`_generate`); a `_Kind` holds what differs (requ
 response builders). Every 4xx/5xx answer has the OpenAI error body
 `{"error": {"message", "type", "param", "code"}}`. `RequestGuard` (serve/http.py) checks the key,
 content type, size and read time first. Handlers never block the event loop: JSON parsing,
-validation and tokenization run in the thread pool and generation on the engine thread; a client
-that goes away (streaming or not) aborts its sequence.
+validation and tokenization run in `PREPARE_THREADS` preparation threads (a request waits for one,
+off the loop) and generation on the engine thread. A client that goes away while its request waits
+for a preparation thread is never prepared; one whose request is being prepared stops it at the
+encoder's next step (`threading.Event`); one that goes away later (streaming or not) aborts its
+sequence.
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.chat import EncodingCancelled
 from ..errors import ConfigError
 from .async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestStream
 from .http import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, RequestGuard
@@ -41,6 +46,7 @@ from .protocol import (
     chat_body,
     chat_chunk,
     chat_text_chunk,
+    check_list_caps,
     completion_body,
     completion_chunk,
     error_body,
@@ -52,6 +58,11 @@ from .protocol import (
 log = logging.getLogger("moetide.serve")
 
 RETRY_AFTER_S = 1
+# Requests validated and tokenized at once; more wait (off the event loop) for a thread. Tokenizers
+# release the GIL, so a few threads use a few cores; a bound keeps a burst of heavy prompts from
+# starving the engine thread of the GIL with dozens of threads of Python work.
+PREPARE_THREADS = 4
+CLIENT_GONE_STATUS = 499  # the client closed the connection before its answer (nobody reads it)
 
 
 @dataclass(frozen=True)
@@ -84,22 +95,46 @@ class _Server:
         self.model_name = model_name
         self.accepted_names = {model_name, *aliases}
         self.created = now_s()
+        self.preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="moetide-prepare")
 
-    # -- request checks (in the thread pool) --------------------------------------------------------------
-    def prepare(self, raw: bytes, kind: _Kind):
-        """Body bytes -> (validated request, prompt ids, max_tokens), or an `APIError`."""
+    # -- request checks (in the preparation threads) ------------------------------------------------------
+    def prepare(self, raw: bytes, kind: _Kind, cancel: threading.Event | None = None):
+        """Body bytes -> (validated request, prompt ids, max_tokens), or an `APIError`; a set `cancel`
+        stops it between steps (`EncodingCancelled`)."""
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        check_list_caps(data)
         try:
             body = kind.request_type.model_validate(data)
         except ValidationError as e:
             raise _validation_error(e.errors()) from None
         self.check_model(body.model)
         body.check_supported()
-        prompt_ids = body.encode(self.encoder)
+        if cancel is not None and cancel.is_set():
+            raise EncodingCancelled()
+        prompt_ids = body.encode(self.encoder, cancel)
         return body, prompt_ids, self.resolve_max_tokens(body.requested_max_tokens, len(prompt_ids), body)
+
+    async def prepare_unless_gone(self, request: Request, raw: bytes, kind: _Kind):
+        """`prepare` in a preparation thread, given up when the client disconnects first: a request
+        still waiting for a thread never runs, one running stops at its next step. Raises APIError
+        (CLIENT_GONE_STATUS) then."""
+        cancel = threading.Event()
+        work = asyncio.get_running_loop().run_in_executor(self.preparer, self.prepare, raw, kind, cancel)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            cancel.set()
+            work.cancel()  # a job not started yet is dropped from the executor's queue
+            work.add_done_callback(_ignore_outcome)
+            self.engine.metrics.rejected.labels("client_gone").inc()
+            raise APIError(CLIENT_GONE_STATUS, "the client disconnected before its request was prepared")
+        return work.result()
 
     def check_model(self, name: str) -> None:
         if name not in self.accepted_names:
@@ -188,13 +223,23 @@ def _validation_error(errors) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _ignore_outcome(future: asyncio.Future) -> None:
+    """Done callback of a preparation given up: its result or error (cancelled, or an APIError) has
+    no client to go to."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _abort_on_disconnect(request: Request, engine: AsyncEngine, request_id: str) -> None:
-    """Wait for the client to go away (the body is already read), then abort its request."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            engine.abort(request_id)
-            return
+    """Wait for the client to go away, then abort its request."""
+    await _disconnected(request)
+    engine.abort(request_id)
 
 
 async def _collect(request: Request, server: _Server, stream: RequestStream) -> tuple[str, int, str | None]:
@@ -279,7 +324,7 @@ def _sse_response(
 async def _generate(request: Request, server: _Server, kind: _Kind) -> Response:
     """The one path of both POST routes: validate and tokenize (thread pool), submit, answer."""
     raw = await request.body()  # already read, bounded in size and time, by RequestGuard
-    body, prompt_ids, max_tokens = await run_in_threadpool(server.prepare, raw, kind)
+    body, prompt_ids, max_tokens = await server.prepare_unless_gone(request, raw, kind)
     request_id, created = new_id(kind.id_prefix), now_s()
     stream = server.submit(prompt_ids, body, max_tokens, request_id)
     if body.stream:
@@ -319,6 +364,7 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(engine.stop, drain_timeout_s)
+            server.preparer.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="moetide", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server

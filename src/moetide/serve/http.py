@@ -1,7 +1,8 @@
 """What the server checks before a handler runs, at the ASGI and connection level.
 
 `RequestGuard` (ASGI middleware, before routing and before any JSON parsing):
-    401  an API key is set and the request lacks `Authorization: Bearer <key>` (`/health` stays open)
+    401  an API key is set and the request lacks `Authorization: Bearer <key>` (`/health` stays open;
+         the scheme's name in any case)
     415  a request with a body whose Content-Type is not application/json (so a web page cannot send
          a "simple" text/plain request to a server on localhost)
     413  a body over `max_request_bytes`: refused from Content-Length before reading, or as soon as
@@ -11,7 +12,8 @@ It reads the whole body (bounded), then hands it to the app; later `receive()` c
 client's connection, so a disconnect is still seen.
 
 `read_timeout_protocol(timeout_s)`: uvicorn's h11 protocol, closing a connection whose request
-headers take longer than `timeout_s` (from the connection's start, or from the previous response).
+headers take longer than `timeout_s` (from the connection's start, or from the previous response),
+and answering a request that is not valid HTTP/1.1 with the OpenAI error body (400, then close).
 
 `DrainingServer`: uvicorn's server with moetide's shutdown (drain, then abort; a second signal exits).
 """
@@ -24,6 +26,7 @@ import ipaddress
 import json
 import threading
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -33,6 +36,10 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 DEFAULT_READ_TIMEOUT_S = 30.0
 OPEN_PATHS = frozenset({"/health"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+INVALID_HTTP_MESSAGE = (
+    "the request is not valid HTTP/1.1 (its request line, a header, or the framing of its body:"
+    " Content-Length or chunk sizes)"
+)
 
 
 class RequestGuard:
@@ -47,7 +54,7 @@ class RequestGuard:
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     ):
         self.app = app
-        self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
         self.read_timeout_s = read_timeout_s
 
@@ -83,10 +90,13 @@ class RequestGuard:
         return await self.app(scope, replay, send)
 
     def _authorized(self, path: str, headers: dict[bytes, bytes]) -> bool:
-        if self.expected_auth is None or path in OPEN_PATHS:
+        """`Authorization: Bearer <key>`; the scheme's name is case-insensitive (RFC 7235)."""
+        if self.api_key is None or path in OPEN_PATHS:
             return True
+        scheme, _, credentials = headers.get(b"authorization", b"").strip().partition(b" ")
         # constant-time comparison: the time taken says nothing about how much of the key matched
-        return hmac.compare_digest(headers.get(b"authorization", b""), self.expected_auth)
+        key_matches = hmac.compare_digest(credentials.strip(b" "), self.api_key)
+        return scheme.lower() == b"bearer" and key_matches
 
     async def _read_body(self, receive, send) -> bytes | None:
         """The whole body, or None once an error answer is sent (or the client left)."""
@@ -128,9 +138,29 @@ async def _reply(send, status: int, message: str, code: str, headers: list | Non
 
 
 def read_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a time limit on receiving each request's headers."""
+    """uvicorn's h11 protocol with a time limit on receiving each request's headers, whose answer to a
+    request that is not valid HTTP/1.1 (h11 raises before the app sees it: a bad request line or
+    header, a Content-Length that is not a number, a bad chunk size) is 400 with the OpenAI error body
+    rather than uvicorn's plain text."""
 
     class ReadTimeoutH11Protocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            payload = json.dumps(error_body(INVALID_HTTP_MESSAGE, code="invalid_http")).encode()
+            length = str(len(payload)).encode()
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", length),
+                (b"connection", b"close"),
+            ]
+            try:
+                response = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
+                self.transport.write(self.conn.send(response))
+                self.transport.write(self.conn.send(h11.Data(data=payload)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+            except h11.LocalProtocolError:  # a response was already under way: only closing is left
+                pass
+            self.transport.close()
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._header_timer = None

@@ -1,17 +1,16 @@
 """Prompts to token ids for the server: a cheap length bound before tokenizing, and chat messages
-whose text can never become a special token (no role forging).
+through the library's encoder (their text can never become a special token: no role forging).
 
-Both encoders run in the thread pool, never on the event loop.
+Both run in the server's preparation threads (serve/api.py), never on the event loop; a set
+`cancel` event (the client went away) stops them between steps.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import json
-import re
-import uuid
+import threading
 
+from ..engine.chat import ChatEncoder, ChatEncodingError, EncodingCancelled
 from .errors import APIError
 
 # NFC/NFKC compose at most 4 code points into one (U+1FAF = Ω + 3 combining marks)
@@ -76,6 +75,9 @@ def _keeps_characters(pre_tokenizer: dict) -> bool:
 class PromptEncoder:
     """Token ids for completions prompts and chat messages, with the context's limits.
 
+    Chat goes through the library's encoder (`engine/chat.py`: special-token text in a message stays
+    text, the message count is capped); its refusals become 400s here.
+
     Args:
         tokenizer: the checkpoint's (fast) tokenizer.
         context_tokens: the model's context (prompt + output).
@@ -85,30 +87,17 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.context_tokens = context_tokens
         self.max_chars_per_token = max_chars_per_token(tokenizer)
-        self.specials = {
-            t.content: i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", True)
-        }
-        self._special_re = (
-            re.compile("|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True)))
-            if self.specials
-            else None
-        )
-
-    @functools.cached_property
-    def text_tokenizer(self):
-        """A copy that never matches special tokens, made when a message first needs it. A copy, not a
-        call argument: transformers keeps that switch on the backend, which other threads share."""
-        text_tokenizer = copy.deepcopy(self.tokenizer)
-        text_tokenizer.split_special_tokens = True
-        return text_tokenizer
+        self.chat = ChatEncoder(tokenizer)
 
     # -- completions ---------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt) -> list[int]:
+    def encode_prompt(self, prompt, cancel: threading.Event | None = None) -> list[int]:
         """`prompt` as the completions API allows it -> token ids (special tokens in it count)."""
         if isinstance(prompt, list):
             prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
         if isinstance(prompt, str):
             self.check_chars(len(prompt), "prompt")
+            if cancel is not None and cancel.is_set():
+                raise EncodingCancelled()
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         return list(prompt)
 
@@ -126,55 +115,12 @@ class PromptEncoder:
         )
 
     # -- chat ------------------------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """`[{"role", "content"}]` -> token ids through the chat template; special-token text inside
-        a message's content is tokenized as text, so a user cannot forge a role or an end of turn."""
+    def encode_chat(self, messages: list[dict], cancel: threading.Event | None = None) -> list[int]:
+        """`[{"role", "content"}]` -> token ids through the chat template (`ChatEncoder.encode`)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         self.check_chars(sum(len(m["content"]) for m in messages), "messages")
-        text = self._render(messages)
-        if self._special_re is None or not any(self._special_re.search(m["content"]) for m in messages):
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        return self._encode_with_text_spans(text, self._content_spans(messages, text))
-
-    def _render(self, messages: list[dict]) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. roles must alternate)
-            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
-
-    def _content_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
-        """Where each message's content sits in the rendered `text`: render once more with unguessable
-        markers as contents, and accept only if putting the contents back gives `text` exactly."""
-        nonce = uuid.uuid4().hex
-        marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
-        marked = self._render([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)])
-        pieces = re.split(f"\x00{nonce}:(\\d+)\x00", marked)
-        rebuilt, spans = pieces[0], []
-        for index, after in zip(pieces[1::2], pieces[2::2], strict=True):
-            content = messages[int(index)]["content"]
-            spans.append((len(rebuilt), len(rebuilt) + len(content)))
-            rebuilt += content + after
-        if rebuilt != text:
-            raise APIError(
-                400,
-                "a message contains the text of one of this model's special tokens, and its chat"
-                " template changes message text, so it cannot be kept apart: remove the special token",
-                param="messages",
-            )
-        return spans
-
-    def _encode_with_text_spans(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
-        """Special tokens count only outside `spans`; everything between them is tokenized as text."""
-        ids: list[int] = []
-        start = 0
-        for match in self._special_re.finditer(text):
-            if any(a < match.end() and match.start() < b for a, b in spans):
-                continue  # inside (or across the edge of) a message's content: plain text
-            if match.start() > start:
-                ids += self.text_tokenizer.encode(text[start : match.start()], add_special_tokens=False)
-            ids.append(self.specials[match.group()])
-            start = match.end()
-        if start < len(text):
-            ids += self.text_tokenizer.encode(text[start:], add_special_tokens=False)
-        return ids
+            return self.chat.encode(messages, cancel=cancel)
+        except ChatEncodingError as e:
+            raise APIError(400, str(e), param=e.param) from None

@@ -2,7 +2,11 @@
 
 Requests are validated strictly (`"5"` is not an integer, NaN/Infinity are not numbers) so a wrong
 type is a 400 here rather than a surprise inside the engine loop. Unknown fields are ignored, as the
-OpenAI API does. Extensions beyond the OpenAI API: `top_k` and `ignore_eos` (vLLM's names).
+OpenAI API does; an explicit `null` means the field's default, for every field that has one.
+Extensions beyond the OpenAI API: `top_k` and `ignore_eos` (vLLM's names).
+
+`check_list_caps` refuses a stop list or a conversation over its cap from the parsed JSON, before
+pydantic validates each element.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..engine.chat import MAX_CHAT_MESSAGES
+from ..engine.detokenize import MAX_STOP_STRINGS, stop_strings
 from ..engine.sampling import SamplingParams
+from ..errors import ConfigError
 from .errors import APIError, error_body
 
 if TYPE_CHECKING:
@@ -33,8 +40,29 @@ def _refuse_lone_surrogates(texts: list[str]) -> None:
         raise ValueError("contains a lone UTF-16 surrogate, which is not valid Unicode text")
 
 
+def check_list_caps(data) -> None:
+    """Refuse a stop list over MAX_STOP_STRINGS or messages over MAX_CHAT_MESSAGES (400), from the
+    parsed body, before each element is validated."""
+    if not isinstance(data, dict):
+        return
+    for field, cap in (("stop", MAX_STOP_STRINGS), ("messages", MAX_CHAT_MESSAGES)):
+        value = data.get(field)
+        if isinstance(value, list) and len(value) > cap:
+            message = f"{field} has {len(value)} entries; at most {cap} are allowed"
+            raise APIError(400, message, param=field, code="invalid_value")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_the_default(cls, data):
+        """`"field": null` for a field with a default: as if the field were absent."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class StreamOptions(_Request):
@@ -72,10 +100,10 @@ class _SamplingFields(_Request):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
-        if self.stop is not None:
-            stops = [self.stop] if isinstance(self.stop, str) else self.stop
-            if any(not s for s in stops):
-                raise APIError(400, "stop strings must be non-empty", param="stop")
+        try:
+            stop_strings(self.stop)  # the library's caps: count, length, non-empty
+        except ConfigError as e:
+            raise APIError(400, str(e), param="stop", code="invalid_value") from None
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
@@ -117,16 +145,11 @@ class CompletionRequest(_SamplingFields):
     prompt_param: ClassVar[str] = "prompt"
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS  # null means the default too
+    max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _null_is_default(cls, value: int | None) -> int:
-        return DEFAULT_COMPLETION_MAX_TOKENS if value is None else value
 
     @field_validator("prompt")
     @classmethod
@@ -158,8 +181,8 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int:
         return self.max_tokens
 
-    def encode(self, encoder: PromptEncoder) -> list[int]:
-        return encoder.encode_prompt(self.prompt)
+    def encode(self, encoder: PromptEncoder, cancel=None) -> list[int]:
+        return encoder.encode_prompt(self.prompt, cancel)
 
 
 class ContentPart(_Request):
@@ -206,8 +229,8 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def encode(self, encoder: PromptEncoder) -> list[int]:
-        return encoder.encode_chat([{"role": m.role, "content": m.text()} for m in self.messages])
+    def encode(self, encoder: PromptEncoder, cancel=None) -> list[int]:
+        return encoder.encode_chat([{"role": m.role, "content": m.text()} for m in self.messages], cancel)
 
 
 # -- responses --------------------------------------------------------------------------------------------

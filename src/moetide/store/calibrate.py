@@ -20,7 +20,6 @@ statistics fit in host memory.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from pathlib import Path
 
@@ -158,16 +157,16 @@ def expert_hessians(
     checkpoint: Path, cache_dir: Path, num_experts_total: int, device: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached statistics of `checkpoint`, computed (and cached) on first use."""
-    from safetensors.torch import load_file, save_file
+    from .checked_file import DamagedFileError, load_checked, save_checked
 
     path = calibration_file(checkpoint, cache_dir)
     if path.is_file():
         try:
-            t = load_file(str(path))
-            if t["gate_up"].shape[0] == num_experts_total:
+            t, _ = load_checked(path)
+            if set(t) == {"gate_up", "down"} and t["gate_up"].shape[0] == num_experts_total:
                 return t["gate_up"], t["down"]
-        except Exception:
-            pass  # damaged: recompute
+        except DamagedFileError:
+            pass  # recomputed below, and written again
     start = time.perf_counter()
     gate_up, down = collect_hessians(checkpoint, calibration_tokens(checkpoint), device)
     if gate_up.shape[0] != num_experts_total:
@@ -182,11 +181,7 @@ def expert_hessians(
         flush=True,
     )
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # a temporary name of this process's own: another process may be writing the same file
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        save_file({"gate_up": gate_up.contiguous(), "down": down.contiguous()}, str(tmp))
-        tmp.replace(path)
+        save_checked({"gate_up": gate_up.contiguous(), "down": down.contiguous()}, path)
     except OSError:
         pass
     return gate_up, down

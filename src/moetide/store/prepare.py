@@ -9,6 +9,10 @@ bf16 on a GPU or widened to float32 on the CPU, since both quantize the same num
 bytes), the precision's format spec and the quantizer settings; any change to the checkpoint
 invalidates the cache. A cached arena serves every storage dtype: only the layout's dequantize
 target (`QuantMeta.dtype`) differs, and it is set from the store that loads it.
+
+The arena carries a content hash (`store/checked_file.py`), checked on every load with its dtype,
+shape and layout record: a cache that fails any of them is rebuilt from the checkpoint's experts,
+with one line on stderr saying why.
 """
 
 from __future__ import annotations
@@ -20,11 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
+from .checked_file import DamagedFileError, check_tensor, open_checked, save_checked
 from .host_store import HostExpertStore
 
 FORMAT_VERSION = 2  # 2: keys by the values' dtype and the format spec (per-matrix bits and groups)
@@ -96,24 +99,65 @@ def _meta_from_record(record: dict[str, str], dtype: torch.dtype):
         record["quant_method"],
     )
     if meta.nbytes != int(record["nbytes"]):
-        raise CheckpointError("prepared cache was written by an incompatible moetide version; delete it")
+        raise ValueError(f"{record['nbytes']} bytes per expert recorded, {meta.nbytes} in this layout")
     return meta
 
 
 def load_cached(store: HostExpertStore, path: Path, precision: str) -> bool:
-    """Adopt a cached lo arena if one matches; False when there is none (or it is unreadable)."""
+    """Adopt a cached lo arena if one is there and intact; False when there is none, or when it is
+    damaged (its content hash, dtype, shape or layout is not what this store needs) and the store can
+    quantize it again: then one line on stderr says so.
+
+    Raises:
+        CheckpointError: the cache is damaged and the store has no hi experts to rebuild it from.
+    """
     if not path.is_file():
         return False
     try:
-        with safe_open(str(path), framework="pt") as f:
-            record = f.metadata() or {}
-            arena = f.get_tensor("arena")
-    except Exception:
-        return False  # a damaged cache is rebuilt, never trusted
-    if record.get("precision") != precision:
+        arena, meta, record = _read_arena(store, path, precision)
+        store.load_precision(precision, arena, meta)
+        # hashed as the store holds it: the copy that had to be made anyway is what is checked
+        try:
+            check_tensor(record, "arena", store.versions[precision])
+        except DamagedFileError:
+            store.drop_precision(precision)
+            raise
+    except DamagedFileError as e:
+        if "hi" not in store.versions:
+            raise CheckpointError(
+                f"prepared cache {path} is damaged ({e}) and the checkpoint's experts are not loaded to"
+                " rebuild it: delete the file and run `moetide prepare` again"
+            ) from None
+        print(f"[moetide] prepared cache {path} is damaged ({e}): rebuilding it from the checkpoint",
+              file=sys.stderr, flush=True)  # fmt: skip
         return False
-    store.load_precision(precision, arena, _meta_from_record(record, store.shape.dtype))
     return True
+
+
+def _read_arena(store: HostExpertStore, path: Path, precision: str):
+    """The cached `(L*E, nbytes)` uint8 arena (mapped, not hashed yet), its layout and the file's
+    record, checked against this store.
+
+    Raises:
+        DamagedFileError: saying what does not match.
+    """
+    tensors, record = open_checked(path)
+    arena = tensors.get("arena")
+    if arena is None or len(tensors) != 1:
+        raise DamagedFileError(f"holds {sorted(tensors)}, not one tensor 'arena'")
+    if record.get("precision") != precision:
+        raise DamagedFileError(f"holds precision {record.get('precision')!r}, not {precision!r}")
+    try:
+        meta = _meta_from_record(record, store.shape.dtype)
+    except (KeyError, ValueError) as e:
+        raise DamagedFileError(f"its layout record is incomplete or invalid ({e})") from None
+    rows = store.num_layers * store.num_experts
+    if arena.dtype != torch.uint8 or tuple(arena.shape) != (rows, meta.nbytes):
+        raise DamagedFileError(
+            f"its arena is {str(arena.dtype).removeprefix('torch.')} {tuple(arena.shape)},"
+            f" this model needs uint8 {(rows, meta.nbytes)}"
+        )
+    return arena, meta, record
 
 
 class _LineProgress:
@@ -175,17 +219,13 @@ def ensure_precision(
 
         hessians = expert_hessians(checkpoint, path.parent, total, device)
     with progress_bar(total, f"quantizing experts to {precision}", "expert", progress) as bar:
-        store.add_precision(precision, progress=bar, device=device, hessians=hessians, experts_per_batch=per_batch)
+        store.add_precision(
+            precision, progress=bar, device=device, hessians=hessians, experts_per_batch=per_batch
+        )
     if not write_cache:
         return None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # a temporary name of this process's own: another process may be writing the same file
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        save_file(
-            {"arena": store.versions[precision]}, str(tmp), metadata=_meta_record(store.meta[precision])
-        )
-        tmp.replace(path)
+        save_checked({"arena": store.versions[precision]}, path, _meta_record(store.meta[precision]))
     except OSError:
         return None  # read-only location: the versions still live in memory for this run
     return path
