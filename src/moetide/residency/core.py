@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,59 +40,16 @@ from ..store.host_store import HostExpertStore, hi_views
 from .accounting import account_step
 from .budget import BudgetTracker, MemoryPlan
 from .cache import VersionCache
-from .eviction import EVICTION_RULES, ExpertStats, eviction_rule
+from .eviction import ExpertStats, eviction_rule
 from .handles import DeviceVersion, ExpertHandle
 from .metrics import ExpertMetrics
+from .options import ON_MISS_RULES, TABLE_LAG, ResidencyOptions  # noqa: F401 - re-exported
 from .pool import SlotPool
 from .reserve import InStepReserve
 from .slot_table import NOT_RESIDENT
 from .table import DeviceTable
 from .transfer import PRIORITY_MIGRATION, PRIORITY_PREFETCH
 from .transitions import TransitionQueue
-
-ON_MISS_RULES = ("lo", "zero-copy")
-TABLE_LAG = 2  # a request made from step i's observations first reaches the table of step i + 2
-
-
-@dataclass(frozen=True)
-class ResidencyOptions:
-    """Behaviour of the core for one policy.
-
-    mode: memory mode of `plan_memory` ("all-hi", "all-lo", "hi-cache", "lo+hi").
-    lo_precision: precision of lo versions (a low-bit name of `store.formats.FORMATS`).
-    on_miss: what a step does with an expert that has no version on the device: "lo" (run its
-        resident lo version; the lo+hi and all-lo modes keep one of each) or "zero-copy" (the kernel
-        reads its hi version straight from pinned host memory).
-    max_background_copies: precision changes issued per layer and step at most (the migration rate
-        limit). Prefetches are not rate limited: the policy sized them (FineMoE's delta).
-    max_inflight_prefetches: copies in flight at once for prefetches (None: two per layer); beyond it
-        a prediction is dropped, not queued: it would land after the step it was for.
-    protect_iterations: a `protect` request holds for this many iterations.
-    hi_precision: what the hi pool holds: "hi" (the checkpoint's precision) or a FORMATS name.
-    mid_precisions: a deeper ladder's tiers between hi and lo, hottest first (lo+hi mode).
-    eviction: a rule of `eviction.RULES` ("lru", or FineMoE's "prob-freq").
-    deterministic: publish copies only at step boundaries, after waiting for them.
-    wait_for_copies: the table may send a layer to a hi copy still in flight, whose landing the
-        kernel waits for on the device.
-    """
-
-    mode: str = "hi-cache"
-    lo_precision: str = "int4"
-    on_miss: str = "zero-copy"
-    max_background_copies: int = 8
-    max_inflight_prefetches: int | None = None
-    protect_iterations: int = 1
-    hi_precision: str = "hi"
-    mid_precisions: tuple[str, ...] = ()
-    eviction: str = "lru"
-    deterministic: bool = False
-    wait_for_copies: bool = False
-
-    def __post_init__(self) -> None:
-        if self.on_miss not in ON_MISS_RULES:
-            raise ValueError(f"on_miss must be one of {ON_MISS_RULES}, got {self.on_miss!r}")
-        if self.eviction not in EVICTION_RULES:
-            raise ValueError(f"eviction must be one of {EVICTION_RULES}, got {self.eviction!r}")
 
 
 class ResidencyManager:
@@ -378,7 +334,9 @@ class ResidencyManager:
                 self._issue_prefetch(*self.queue.prefetches.popleft(), victims_for=victims_for)
         self.queue.issue_precision(budget, self._apply_precision)
 
-    def _issue_prefetch(self, iteration: int, layer: int, expert: int, victims_for=None, in_step=None) -> bool:
+    def _issue_prefetch(
+        self, iteration: int, layer: int, expert: int, victims_for=None, in_step=None
+    ) -> bool:
         """Start one queued prefetch; True if it started a copy. Requests made more than `TABLE_LAG`
         steps ago are dropped. `victims_for`: pool -> `next_victim` for a burst between steps;
         `in_step`: the same within a step (victims only of layers already run, whose slots change
