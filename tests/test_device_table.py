@@ -16,12 +16,14 @@ prefetches for the later ones, taking the slots only the finished layers (or par
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from residency_setup import EXPERTS, LAYERS, expected_weights, make_manager
+from residency_setup import EXPERTS, LAYERS, expected_weights, make_manager, read_entry
 
 from moetide.compute.expert_compute import wait_for_landing
 from moetide.residency.slot_table import UNUSED, WAITED
@@ -67,7 +69,10 @@ class DeviceTableMachine(RuleBasedStateMachine):
         manager.in_step_fed = True  # a layer feed drives it: begin_step parks a reserve
         self.manager = manager
 
-    @rule(layer=st.integers(0, LAYERS - 1), experts=st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4))
+    @rule(
+        layer=st.integers(0, LAYERS - 1),
+        experts=st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4),
+    )
     @precondition(lambda self: self.manager is not None)
     def prefetch(self, layer, experts):
         self.manager.prefetch(layer, experts, iteration=self.iteration)
@@ -288,7 +293,91 @@ def test_a_copy_publishes_its_entry_only_after_its_data_has_landed():
         assert not version.ready.query()
         assert int(m.table.device_table[1, 0, 3]) == host  # not yet: the data is still on its way
         version.ready.synchronize()
-        assert (int(m.table.device_table[1, 0, 3]), int(m.table.device_table[1, 1 + hi, 3])) == (hi, version.slot)
+        assert (int(m.table.device_table[1, 0, 3]), int(m.table.device_table[1, 1 + hi, 3])) == (
+            hi,
+            version.slot,
+        )
         m.end_step()
+    finally:
+        m.close()
+
+
+class _WatchedWord:
+    """A device-table word whose write is followed by a look at the whole table, as a reader
+    between two of a publication's writes would take it."""
+
+    def __init__(self, word: torch.Tensor, after_write):
+        self.word, self.after_write = word, after_write
+
+    def copy_(self, value, non_blocking: bool = False):
+        self.word.copy_(value)
+        self.after_write()
+
+
+class _Gate:
+    """A word write that holds the copy worker until `opened` is set."""
+
+    def __init__(self, opened: threading.Event):
+        self.opened = opened
+
+    def copy_(self, value, non_blocking: bool = False):
+        self.opened.wait()
+
+
+class WatchedTransfer(CpuTransfer):
+    """CPU copies whose publishing words each call `after_write` once written (in the order the
+    transfer writes them). No copy starts before `opened` is set."""
+
+    def __init__(self, after_write, **kw):
+        super().__init__(**kw)
+        self.after_write = after_write
+        self.opened = threading.Event()
+        super().copy(torch.zeros(1), torch.zeros(1), -1, then=[(_Gate(self.opened), None)])
+
+    def _watch(self, words) -> list:
+        return [(_WatchedWord(word, self.after_write), value) for word, value in words]
+
+    def copy(self, dst, src, priority, then=()):
+        return super().copy(dst, src, priority, then=self._watch(then))
+
+    def write_words(self, words) -> None:
+        super().write_words(self._watch(words))
+
+
+def test_a_reader_between_a_publications_writes_never_sees_a_pool_word_before_its_slot_word():
+    """Copies publish themselves through the real path (`prefetch` -> the copy's words on the copy
+    side, in the transfer's order). After each word lands, every entry of the table must send its
+    expert to a slot that holds that expert's version: a pool word written before its slot word
+    would point at the slot word's previous value, which holds another expert or poison. The copies
+    start within a step (the layer feed's `in_step`), after its whole-table write, so only their own
+    words change the table."""
+    m = make_manager("hi-cache", 4, 0, bandwidth=None)
+    torn: list[str] = []
+    seen = [0]
+
+    def check_every_entry() -> None:
+        seen[0] += 1
+        for layer in range(LAYERS):
+            for expert in range(EXPERTS):
+                try:
+                    read_entry(m, layer, expert)
+                except AssertionError as e:
+                    torn.append(f"after write {seen[0]}: ({layer}, {expert}): {e}")
+
+    try:
+        m.transfer.close()
+        m.transfer = WatchedTransfer(check_every_entry, poison=True)
+        m.begin_step(1)
+        m.end_step()
+        m.begin_step(2)  # the whole table is written now: from here only the copies' words change it
+        m.prefetch(1, [3, 0, 2, 1], iteration=2)  # four experts, four slots: slot words differ
+        assert m.in_step(2, 0) == 4  # layer 0 has routed: the copies for layer 1 start within the step
+        m.transfer.opened.set()
+        for expert in (3, 0, 2, 1):
+            m.handles[1][expert].versions["hi"].ready.synchronize()
+        m.end_step()
+        assert seen[0] >= 8  # a slot word and a pool word per copy, each followed by a look
+        assert not torn, torn[:3]
+        assert {read_entry(m, 1, e) for e in range(4)} == {m.pool_ids["hi"]}
     finally:
         m.close()

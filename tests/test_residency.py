@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from residency_setup import EXPERTS, LAYERS, land_all, make_manager, read_entry, resident, run_step
 
 import moetide
+from moetide.errors import BudgetError
+from moetide.residency.budget import BudgetTracker
 from moetide.residency.eviction import RULES, ExpertStats, eviction_order, eviction_rule
 from moetide.residency.handles import HandleState
 
@@ -35,11 +37,15 @@ def check_invariants(manager):
 op = st.one_of(
     st.tuples(st.just("step"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=6)),
     st.tuples(
-        st.just("prefetch"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4)
+        st.just("prefetch"),
+        st.integers(0, LAYERS - 1),
+        st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=4),
     ),
     st.tuples(st.just("promote"), st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)),
     st.tuples(st.just("demote"), st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)),
-    st.tuples(st.just("protect"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=3)),
+    st.tuples(
+        st.just("protect"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=3)
+    ),
     st.tuples(st.just("land"), st.just(0), st.just(0)),
 )
 
@@ -167,7 +173,9 @@ def test_in_step_prefetches_evict_only_versions_of_layers_already_run():
 
 
 def test_prefetches_are_not_rate_limited():
-    manager = make_manager("hi-cache", 12, 0, bandwidth=None, max_background_copies=2, max_inflight_prefetches=64)
+    manager = make_manager(
+        "hi-cache", 12, 0, bandwidth=None, max_background_copies=2, max_inflight_prefetches=64
+    )
     manager.prefetch(1, list(range(EXPERTS)), iteration=1)  # more than max_background_copies x layers
     run_step(manager, 1, {})
     assert manager.metrics.copies == EXPERTS
@@ -411,3 +419,31 @@ def test_a_protection_for_a_later_step_holds_until_that_step_has_run():
     run_step(manager, 5, {})  # step 4 has run: 0 goes
     assert resident(manager, 0) == {2, 5, 7}
     manager.close()
+
+
+def test_the_budget_refuses_the_reservation_that_would_exceed_it():
+    """The new reservation is what tips the budget over: 200 of 250 bytes used, 100 more refused,
+    50 more (exactly what is left) accepted."""
+    tracker = BudgetTracker(250)
+    assert tracker.try_reserve(200, "a")
+    assert not tracker.try_reserve(100, "b") and tracker.used_bytes == 200
+    assert tracker.try_reserve(50, "b") and tracker.used_bytes == tracker.peak_bytes == 250
+    with pytest.raises(BudgetError, match="needs 1 B"):
+        tracker.reserve(1, "c", "one more byte")
+
+
+def test_a_budget_smaller_than_the_free_slots_binds_the_residency():
+    """Four free hi slots, but the budget holds only two of them once another reservation takes
+    its share: prefetching four experts copies two, and the budget is never exceeded."""
+    m = make_manager("hi-cache", 4, 0, bandwidth=None)
+    try:
+        hi = m.pools["hi"]
+        m.budget.reserve(2 * hi.slot_bytes, "other", "another reservation")
+        m.prefetch(1, [0, 1, 2, 3], iteration=1)
+        run_step(m, 1, {})
+        land_all(m)
+        assert hi.free_slots == 2 and len(resident(m, 1)) == 2
+        assert m.budget.used_bytes == m.budget.total_bytes
+        check_invariants(m)
+    finally:
+        m.close()

@@ -74,6 +74,14 @@ class BlockAllocator:
     def num_cached(self) -> int:
         return len(self._cached)
 
+    def ref_count(self, block: int) -> int:
+        """Sequences holding `block` in their table."""
+        return self._blocks[block].ref_count
+
+    def available_blocks(self) -> set[int]:
+        """Blocks that the next allocation may hand out: free ones and unreferenced cached ones."""
+        return set(self._free) | set(self._cached)
+
     # -- allocation ------------------------------------------------------------------------------------
     def _chunk(self, token_ids: list[int], i: int) -> tuple[int, ...]:
         return tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
