@@ -98,6 +98,10 @@ def test_offline_sweep_writes_runs_summary_and_plots(qwen3_checkpoint, tmp_path)
             m = run["metrics"]
             assert m["experts_used"] == m["hits"] + m["lo_runs"] + m["misses"]
             assert run["budget_bytes"] == row["budget_bytes"] > 0
+            # the run's recorded spec says what ran, not the sweep's default engine
+            engine = run["config"]["spec"]["engine"]
+            assert (engine["policy"], engine["gpu_memory_bytes"]) == (row["policy"], row["budget_bytes"])
+            assert engine["max_num_seqs"] == bs
             d = run["summary"]["ttft_s"]
             assert d["p50"] <= d["p90"] <= d["p99"] and d["n"] == bs
     summary_file = json.loads((tmp_path / "summary.json").read_text())

@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
 from test_bad_input import run_cli, run_cli_process
+
+from moetide.policies.expert_map import ExpertMapStore
 
 
 def test_generate_streams_and_summarises(qwen3_checkpoint):
@@ -94,7 +97,9 @@ def test_files_named_in_pyproject_exist():
     assert all((root / name).is_file() for name in named), named
 
 
-def test_a_command_whose_dependency_is_missing_says_what_to_install_and_the_others_still_run(monkeypatch, capsys):
+def test_a_command_whose_dependency_is_missing_says_what_to_install_and_the_others_still_run(
+    monkeypatch, capsys
+):
     """An install without uvicorn: `moetide serve` fails with one line, `moetide bench` still parses."""
     import builtins
     import sys
@@ -124,7 +129,9 @@ def test_kv_cache_tokens_reaches_the_engine_config():
     from moetide.cli import build_parser, engine_config_from_args
 
     parser = build_parser()
-    given = engine_config_from_args(parser.parse_args(["serve", "--device", "cpu", "--kv-cache-tokens", "8192"]))
+    given = engine_config_from_args(
+        parser.parse_args(["serve", "--device", "cpu", "--kv-cache-tokens", "8192"])
+    )
     derived = engine_config_from_args(parser.parse_args(["serve", "--device", "cpu"]))
     assert (given.kv_cache_tokens, derived.kv_cache_tokens) == (8192, None)
 
@@ -137,3 +144,46 @@ def test_the_server_sizes_its_kv_for_max_num_seqs_and_generate_does_not():
     args = build_parser().parse_args(["serve", "--device", "cpu", "--max-num-seqs", "64"])
     assert serve_engine_config(args).kv_tokens_per_seq == SERVE_KV_TOKENS_PER_SEQ > 0
     assert engine_config_from_args(args).kv_tokens_per_seq == 0
+
+
+def _generate_with_store(checkpoint, store, policy="finemoe"):
+    proc = run_cli(
+        "generate", "--model", str(checkpoint), "--device", "cpu", "--max-tokens", "6", "--quiet",
+        "--raw", "--policy", policy, "--gpu-memory", "50%", "--deterministic", "--map-store", str(store),
+        "hello there",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return ExpertMapStore.load(store)
+
+
+def test_generate_map_store_loads_then_saves(qwen3_checkpoint, tmp_path):
+    """--map-store: a missing file means an empty store, written when generate ends; the next run
+    starts from it (its maps plus the new run's, in order) and writes the whole store back."""
+    path = tmp_path / "maps" / "store.safetensors"
+    first = _generate_with_store(qwen3_checkpoint, path)
+    assert len(first) > 0
+    second = _generate_with_store(qwen3_checkpoint, path)
+    assert len(second) == 2 * len(first)
+    for row in range(len(first)):
+        assert torch.equal(second.map(row), first.map(row))
+
+
+def test_llm_close_saves_combined_map_store(qwen3_checkpoint, tmp_path):
+    """`LLM.close` writes combined's FineMoE store, with the later maps its step-late search uses."""
+    from moetide import LLM
+    from moetide.engine.sampling import SamplingParams
+
+    path = tmp_path / "store.safetensors"
+    llm = LLM(
+        qwen3_checkpoint,
+        device="cpu",
+        policy="combined",
+        gpu_memory="50%",
+        deterministic=True,
+        map_store=str(path),
+    )
+    llm.generate("hello there", SamplingParams(max_tokens=6))
+    assert not path.exists()  # written when the engine closes
+    llm.close()
+    store = ExpertMapStore.load(path)
+    assert len(store) > 0 and store.state()["has_ahead"].any()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,6 +128,30 @@ def test_store_save_load_round_trip(tmp_path):
     for row in range(3):
         assert torch.equal(t.map(row), s.map(row))
         assert torch.equal(t.embedding(row), s.embedding(row))
+
+
+def test_store_save_keeps_the_later_maps(tmp_path):
+    """The step-ahead maps (what the step-late FineMoE matches against) survive save and load, row by
+    row, and a row without one stays without one."""
+    s = _store(capacity=4)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        s.add(torch.randn(3, generator=g), torch.softmax(torch.randn(2, 4, generator=g), -1))
+    later = {
+        0: torch.softmax(torch.randn(2, 4, generator=g), -1),
+        2: torch.softmax(torch.randn(2, 4, generator=g), -1),
+    }
+    for row, m in later.items():
+        s.set_ahead(row, m)
+    t = ExpertMapStore.load(s.save(tmp_path / "maps.safetensors"))
+    assert t.state()["has_ahead"].tolist() == [True, False, True, False]
+    for row, m in later.items():
+        assert np.array_equal(t.ahead_np(row), m.numpy())
+    full = np.zeros((2, 4), dtype=np.float32)
+    assert t.lookahead_search_np(np.ones(3, dtype=np.float32), full) is not None
+    # a smaller store: rows replaced while loading lose their later map with their entry
+    u = ExpertMapStore.load(tmp_path / "maps.safetensors", capacity=2)
+    assert len(u) == 2 and u.state()["has_ahead"].sum() <= 1
 
 
 # -- FineMoE issues what the formulas say ------------------------------------------------------------

@@ -13,7 +13,15 @@ import sys
 import time
 
 from .config import (
-    COMPILE_MODES, CUDA_GRAPHS, DECODE_AHEAD, LO_KERNELS, ON_MISS, POLICIES, SEARCHERS, EngineConfig, format_bytes,
+    COMPILE_MODES,
+    CUDA_GRAPHS,
+    DECODE_AHEAD,
+    LO_KERNELS,
+    ON_MISS,
+    POLICIES,
+    SEARCHERS,
+    EngineConfig,
+    format_bytes,
 )
 from .errors import ConfigError, MoetideError
 from .store.formats import LOW_BIT_FORMATS
@@ -183,6 +191,14 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         " first (off)",
     )
     p.add_argument(
+        "--map-store",
+        default=None,
+        metavar="PATH",
+        help="FineMoE's expert-map store (finemoe, combined): loaded from PATH where the file exists,"
+        " written there when generate ends, the engine closes or the server shuts down (bench: loaded"
+        " for every run, never written)",
+    )
+    p.add_argument(
         "--searcher",
         default="process",
         choices=SEARCHERS,
@@ -217,8 +233,8 @@ def engine_config_from_args(args) -> EngineConfig:
 
 
 def precision_options_from_args(args) -> dict:
-    """The `EngineConfig` fields of --hi, --ladder, --host-versions, --lo-kernel, --cuda-graphs and --searcher
-    (shared with `moetide bench`)."""
+    """The `EngineConfig` fields of --hi, --ladder, --host-versions, --lo-kernel, --cuda-graphs,
+    --searcher and --map-store (shared with `moetide bench`)."""
     return {
         "hi_precision": "hi" if args.hi_precision == "bf16" else args.hi_precision,
         "ladder": args.ladder,
@@ -233,19 +249,20 @@ def precision_options_from_args(args) -> dict:
         "deterministic": args.deterministic,
         "wait_for_copies": args.wait_for_copies,
         "searcher": args.searcher,
+        "map_store": args.map_store,
     }
 
 
 # -- generate --------------------------------------------------------------------------------------------
 def cmd_generate(args) -> int:
     from .engine.detokenize import TextStream
-    from .engine.llm import build_engine, context_length, quiet_tokenizer
+    from .engine.llm import build_engine, context_length, quiet_tokenizer, save_map_store
     from .engine.sampling import SamplingParams
     from .models.checkpoint import inspect_checkpoint, load_tokenizer
 
     # everything the user typed is checked before the weights load (seconds to minutes)
     if not args.prompt.strip():
-        raise ConfigError("the prompt is empty; give the text to complete, e.g. moetide generate \"Hello\"")
+        raise ConfigError('the prompt is empty; give the text to complete, e.g. moetide generate "Hello"')
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -270,6 +287,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(stream.delta(seq.text, seq.finished))
         sys.stdout.flush()
     elapsed = time.perf_counter() - start
+    save_map_store(config, loaded)
     m = loaded.runtime.metrics
     n = len(seq.output_ids)
     tpot = f"{seq.tpot_s * 1000:.1f} ms" if seq.tpot_s else "n/a"

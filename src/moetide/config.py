@@ -159,8 +159,10 @@ class EngineConfig:
             device routes it and prefetch for its later layers within the step (the layer feed,
             policies/in_step.py); False: they decide a step late, from each step's observations, as
             combined and dynaexq do (the form the trace simulator models with `decision_lag=2`).
-        map_store: a FineMoE expert-map store saved earlier (`ExpertMapStore.save`) that finemoe and
-            combined start from; None: an empty store.
+        map_store: the path of a FineMoE expert-map store (`ExpertMapStore.save`): finemoe and combined
+            start from it where the file exists (else from an empty store), and `save_map_store`
+            writes the store there (`moetide generate` at its end, `LLM.close`, server shutdown);
+            None: an empty store, never written.
         simulated_copy_bytes_per_s: on the CPU only, pace expert copies to this rate (a simulated
             host-to-device link, for tests and trace replays); None: as fast as memory copies.
         poison_slots: on the CPU only, fill a slot with NaN bytes before each copy into it, so that a

@@ -323,6 +323,8 @@ def execute(spec: BenchSpec, plan: Plan, run: dict) -> dict:
     try:
         config = _engine_config(spec, plan, run)
         result["budget_bytes"] = config.gpu_memory_bytes
+        if run["engine"] == "moetide":  # the spec as this run ran it: its policy, on-miss rule, budget
+            result["config"] = {"spec": {**dataclasses.asdict(spec), "engine": dataclasses.asdict(config)}}
         reqs = plan.requests[run["batch_size"]]
         if run["engine"] == "moetide":
             out = runs.run_moetide(
@@ -426,7 +428,11 @@ def run_sweep(spec: BenchSpec, *, progress: bool = True) -> dict:
     for run in bar:
         bar.set_postfix_str(run_name(run))
         result = execute(spec, plan, run)
-        result["config"] = {"spec": header["spec"], "model_path": header["model_path"]}
+        result["config"] = {
+            "spec": header["spec"],
+            **result.get("config", {}),
+            "model_path": header["model_path"],
+        }
         result["machine"] = machine
         result["notes"] = plan.notes
         (out / "runs" / f"{result['name']}.json").write_text(json.dumps(result, indent=2, default=str))

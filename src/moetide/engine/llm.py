@@ -117,6 +117,21 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     )
 
 
+def save_map_store(config: EngineConfig, loaded: LoadedModel) -> Path | None:
+    """Write FineMoE's expert-map store (finemoe, combined; with its online inserts) to
+    `config.map_store`. Returns the path, or None where no path is set or there is no store."""
+    if not config.map_store or loaded.policy is None:
+        return None
+    finemoe = getattr(loaded.policy, "prefetch_policy", loaded.policy)
+    if not hasattr(finemoe, "save_store"):
+        return None
+    try:
+        finemoe.save_store(config.map_store)
+    except ValueError:  # nothing observed yet: no store to write
+        return None
+    return Path(config.map_store)
+
+
 def context_length(config: EngineConfig, model_config) -> int:
     """Tokens of context a sequence gets (prompt + output): the config's cap within the model's."""
     model_len = getattr(model_config, "max_position_embeddings", None) or 4096
@@ -173,7 +188,9 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
             model,
             model_config,
             progress=progress,
-            moe_scratch_bytes=moe_scratch_bytes(model_config, store.bytes_per_expert("hi"), MAX_PREFILL_TOKENS),
+            moe_scratch_bytes=moe_scratch_bytes(
+                model_config, store.bytes_per_expert("hi"), MAX_PREFILL_TOKENS
+            ),
         ),
         progress=progress,
     )
@@ -365,6 +382,7 @@ class LLM:
 
     def close(self) -> None:
         if self.loaded.policy is not None:
+            save_map_store(self.config, self.loaded)
             self.loaded.policy.close()
             self.loaded.policy_hooks.remove()
         self.engine.runner.close()

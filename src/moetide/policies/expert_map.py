@@ -146,7 +146,9 @@ class ExpertMapStore:
             has = self._has_ahead.numpy()[:n]
             if not has.any():
                 return None
-            scores = d / L * (self._unit_embeddings.numpy()[:n] @ e) + (L - d) / L * (self._unit_maps.numpy()[:n] @ q)
+            scores = d / L * (self._unit_embeddings.numpy()[:n] @ e) + (L - d) / L * (
+                self._unit_maps.numpy()[:n] @ q
+            )
             scores = np.where(has, scores, -np.inf)
         row = int(np.argmax(scores))
         return float(scores[row]), row
@@ -277,16 +279,27 @@ class ExpertMapStore:
         """The store `state()` described (same rows in the same order)."""
         capacity, L, J, H, d = state["geometry"]
         store = cls(capacity, L, J, H, d)
-        for e, m in zip(state["embeddings"], state["maps"], strict=True):
-            store.add(torch.from_numpy(e), torch.from_numpy(m).view(L, J))
-        for row in np.nonzero(state.get("has_ahead", np.zeros(0, dtype=bool)))[0]:
-            store.set_ahead(int(row), torch.from_numpy(state["ahead"][row]))
+        maps = torch.from_numpy(state["maps"]).view(-1, L, J)
+        ahead, has = state.get("ahead"), state.get("has_ahead")
+        store._fill(torch.from_numpy(state["embeddings"]), maps,
+                    None if ahead is None else torch.from_numpy(ahead), None if has is None else torch.from_numpy(has))  # fmt: skip
         store.inserts, store.replacements = state["inserts"], state["replacements"]
         return store
 
+    def _fill(self, embeddings, maps, ahead=None, has_ahead=None) -> None:
+        """Insert saved rows in order: `embeddings (n, H)`, `maps (n, L, J)`, and each row's later map
+        `ahead (n, L*J)` where `has_ahead (n,)` bool says it is known (a row replaced while filling a
+        smaller store loses it with its entry)."""
+        known = [] if has_ahead is None else has_ahead.nonzero().flatten().tolist()
+        rows = [self.add(e, m) for e, m in zip(embeddings, maps, strict=True)]
+        for i in known:
+            if rows[i] not in rows[i + 1 :]:
+                self.set_ahead(rows[i], ahead[i])
+
     # -- files --------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write the store (safetensors; geometry in the header's metadata)."""
+        """Write the whole store (safetensors; geometry in the header's metadata): embeddings, maps and
+        the later maps of the rows that have one."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -296,6 +309,8 @@ class ExpertMapStore:
             tensors = {
                 "embeddings": self._embeddings[:n].contiguous(),
                 "maps": self._maps[:n].view(n, self.num_layers, self.num_experts).contiguous(),
+                "ahead": self._ahead[:n].contiguous(),
+                "has_ahead": self._has_ahead[:n].contiguous(),
             }
             meta = {
                 "capacity": self.capacity,
@@ -320,6 +335,9 @@ class ExpertMapStore:
                 raise ValueError(f"{path} is not an expert map store")
             meta = json.loads(header["moetide_expert_map_store"])
             embeddings, maps = f.get_tensor("embeddings"), f.get_tensor("maps")
+            names = set(f.keys())
+            ahead = f.get_tensor("ahead") if "ahead" in names else None
+            has_ahead = f.get_tensor("has_ahead") if "has_ahead" in names else None
         store = cls(
             capacity if capacity is not None else meta["capacity"],
             meta["num_layers"],
@@ -327,6 +345,5 @@ class ExpertMapStore:
             meta["hidden_size"],
             prefetch_distance if prefetch_distance is not None else meta["prefetch_distance"],
         )
-        for e, m in zip(embeddings, maps, strict=True):
-            store.add(e, m)
+        store._fill(embeddings, maps, ahead, has_ahead)
         return store

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 DETERMINISTIC_UPDATE_STEPS = 8  # DynaExq's T_u in steps under --deterministic (no clock time)
@@ -39,7 +40,7 @@ class PolicyOptions:
     hysteresis_margin: float = 0.25
     max_transitions_per_update: int | None = None
     map_store_capacity: int = 1000
-    map_store_path: str | None = None  # a saved FineMoE store to start from
+    map_store_path: str | None = None  # a saved FineMoE store to start from, where the file exists
     synchronous: bool = False  # FineMoE's searcher inline (simulation, tests, --deterministic)
     # steps between an observed step and the first step its decisions reach (the engine's sync-free
     # steps: residency.core.TABLE_LAG); 0 = decisions within the running step (FineMoE's paper form)
@@ -97,7 +98,7 @@ def _finemoe(o: PolicyOptions):
         searcher=o.searcher,
         lookahead=o.lookahead,
     )
-    if o.map_store_path:
+    if o.map_store_path and Path(o.map_store_path).is_file():
         p.load_store(o.map_store_path)
     return p
 
@@ -180,4 +181,3 @@ def policy_spec(name: str) -> PolicySpec:
     if spec is None:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICY_NAMES)}")
     return spec
-

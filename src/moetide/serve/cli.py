@@ -115,7 +115,7 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..engine.llm import build_engine
+    from ..engine.llm import build_engine, save_map_store
     from .api import create_app
     from .async_engine import AsyncEngine
     from .http import DrainingServer, read_timeout_protocol
@@ -161,5 +161,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         DrainingServer(uv_config, async_engine, args.drain_timeout, banner).run()
     finally:
         async_engine.stop(drain_timeout_s=0)  # no-op after a clean lifespan shutdown
+        save_map_store(config, loaded)
         loaded.runtime.residency.close()
     return 0
