@@ -67,7 +67,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     Residency-only policies (on-demand, static-*, no-offload) need no object: the memory mode is the
     policy. dynaexq gets every hi slot for its hot set (and every slot of a deeper ladder's middle
     tiers for theirs); combined gives half of each to DynaExq and leaves half to FineMoE's
-    prefetches. Neither is attached when no cap was given and the whole model fits in hi (the
+    prefetches. Neither is attached when the whole model fits in hi, with no cap or under one (the
     residency's "all-hi" mode): then decode steps can be CUDA graphs.
     """
     from ..policies import make_policy
@@ -80,7 +80,7 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     if not spec.predicts or residency.plan is None:
         return
     if residency.options.mode == "all-hi":
-        return  # no cap given and every expert fits in hi: nothing to prefetch or requantize
+        return  # every expert fits in hi: nothing to prefetch or requantize
     layers = len(loaded.moe_layers)
     experts = loaded.store.num_experts
     # DynaExq's hot set gets its share of the hi slots (PolicySpec.hi_share), spread over the layers

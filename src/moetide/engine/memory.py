@@ -94,8 +94,12 @@ def plan_for(config: EngineConfig, mb: ModelBytes, budget_bytes: int) -> MemoryP
     """
     from ..policies.registry import policy_spec
 
+    from ..residency import all_hi_fits
+
     spec = policy_spec(config.policy)
     mode, needs_lo = spec.memory_mode, spec.needs_lo
+    if all_hi_fits(mode, mb.all_experts_hi_bytes, budget_bytes - mb.fixed_at(budget_bytes).total):
+        mode, needs_lo = "all-hi", False
     lo = spec.lo_precision or config.lo_precision
     lo = "int2" if lo == "auto" else lo
     hi = config.hi_precision if mode == "lo+hi" else "hi"
@@ -113,6 +117,7 @@ def plan_for(config: EngineConfig, mb: ModelBytes, budget_bytes: int) -> MemoryP
         lo_precision=lo if needs_lo else None,
         mid_slot_bytes=tuple(mb.slot_bytes(m) for m in mids),
         upper_slots=config.ladder_slots if mode == "lo+hi" else None,
+        misses_run_lo=(spec.on_miss or config.on_miss) == "lo",
     )
 
 

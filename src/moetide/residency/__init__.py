@@ -108,12 +108,18 @@ def fixed_costs(
     return FixedCosts(weights, kv_pool_bytes(kv_tokens, per_token), activations, moe_scratch, kv_tokens)
 
 
+def all_hi_fits(mode: str, all_hi_bytes: int, room: int) -> bool:
+    """An offloading mode ("hi-cache", "lo+hi") whose room holds every expert in hi runs as "all-hi"
+    (every expert resident, no policy): a cap at least that large behaves as no cap."""
+    return mode in ("hi-cache", "lo+hi") and all_hi_bytes <= room
 
-def resolve_on_miss(on_miss: str, mode: str) -> str:
+
+def resolve_on_miss(on_miss: str, mode: str, lo_whole: bool = True) -> str:
     """`EngineConfig.on_miss` for a memory mode: "auto" runs a miss from its resident lo version where
-    the mode keeps one of every expert (lo+hi), else reads it zero-copy from host memory; "lo" asks
+    the mode keeps one of every expert (lo+hi with `lo_whole`: the lo pool holds every expert), else
+    reads it zero-copy from host memory (an expert with no device version never adds 0); "lo" asks
     for a lo version that a hi cache does not have."""
-    keeps_lo = mode in ("lo+hi", "all-lo")
+    keeps_lo = mode == "all-lo" or mode == "lo+hi" and lo_whole
     if on_miss == "auto":
         return "lo" if keeps_lo else "zero-copy"
     if on_miss == "lo" and mode == "hi-cache":
@@ -146,9 +152,8 @@ def build_residency(
     hi_bytes = store.bytes_per_expert("hi")
     fixed = fixed_costs(config, model_config, model, store.shape.dtype, moe_scratch_bytes, budget_bytes)
     room = budget_bytes - fixed.total  # what the expert pools may use
-    if config.gpu_memory_bytes is None and mode in ("hi-cache", "lo+hi"):
-        if store.num_layers * store.num_experts * hi_bytes <= room:
-            mode, needs_lo = "all-hi", False  # no cap given and the whole model fits: nothing to offload
+    if all_hi_fits(mode, store.num_layers * store.num_experts * hi_bytes, room):
+        mode, needs_lo = "all-hi", False  # the whole model fits in hi: nothing to offload, as with no cap
     lo = lo_precision_for(config, store, room)
     hi_precision = config.hi_precision if mode == "lo+hi" else "hi"
     mids = config.mid_precisions if mode == "lo+hi" else ()  # a deeper ladder's middle tiers
@@ -166,11 +171,13 @@ def build_residency(
         mode=mode,
         mid_slot_bytes=tuple(store.bytes_per_expert(m) for m in mids),
         upper_slots=config.ladder_slots if mode == "lo+hi" else None,
+        misses_run_lo=(spec.on_miss or config.on_miss) == "lo",
     )
     if config.kv_cache_tokens is None:  # a KV size the user gave is kept as it is
         plan = plan.with_spare_kv(
             kv_bytes_per_token(model_config, store.shape.dtype), max_kv_tokens(config, model_config)
         )
+    every = store.num_layers * store.num_experts
     tracker = BudgetTracker(budget_bytes)
     tracker.reserve(plan.fixed.total, "fixed", "the fixed part (weights, KV cache, activations)")
     transfer = (
@@ -181,7 +188,7 @@ def build_residency(
     options = ResidencyOptions(
         mode=mode,
         lo_precision=lo,
-        on_miss=resolve_on_miss(spec.on_miss or config.on_miss, mode),
+        on_miss=resolve_on_miss(spec.on_miss or config.on_miss, mode, plan.lo_slots >= every),
         hi_precision=hi_precision,
         mid_precisions=mids,
         eviction=spec.eviction,

@@ -189,6 +189,7 @@ def plan_memory(
     lo_precision: str | None = None,
     mid_slot_bytes: tuple[int, ...] = (),
     upper_slots: tuple[int, ...] | None = None,
+    misses_run_lo: bool = False,
 ) -> MemoryPlan:
     """Split the budget left after `fixed` into expert slots.
 
@@ -197,7 +198,10 @@ def plan_memory(
         "all-lo"   every expert resident in lo (static-int4/int2): error if they do not fit.
         "hi-cache" all expert memory is a hi cache (on-demand, lru, finemoe, moe-infinity).
         "lo+hi"    every expert resident in lo, the rest a hi cache (dynaexq, combined); if lo does
-                   not fit whole, it becomes a lo cache of what fits beside `min_hi_slots` hi slots.
+                   not fit whole, it becomes a lo cache of what fits beside `min_hi_slots` hi slots
+                   (a miss then reads the hi version from host memory: `resolve_on_miss`), unless
+                   `misses_run_lo` (`--on-miss lo`: a miss runs the expert's resident lo version,
+                   so every expert needs one): then BudgetError.
                    With `mid_slot_bytes` (a ladder's middle tiers, hottest first) the rest is split
                    over hi and those tiers by `split_ladder`, or as `upper_slots` says (hi, then
                    each middle tier; BudgetError if they do not fit).
@@ -239,6 +243,13 @@ def plan_memory(
         return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, hi, 0)
     if mode == "lo+hi":
         lo = min(num_experts_total, (left - min_hi_slots * hi_slot_bytes) // lo_slot_bytes)
+        if misses_run_lo and lo < num_experts_total:
+            need = num_experts_total * lo_slot_bytes + need_min
+            raise BudgetError(
+                f"--gpu-memory {format_bytes(budget_bytes)} is too small: a miss runs the expert's resident"
+                f" {lo_precision or 'lo'} version (--on-miss lo), so {fixed_part} + {num_experts_total} lo"
+                f" experts and {min_hi_slots} hi experts {format_bytes(need)} do not fit"
+            )
         tier_bytes = (hi_slot_bytes, *mid_slot_bytes)
         room = left - lo * lo_slot_bytes
         if upper_slots is None:
