@@ -11,8 +11,6 @@ from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError
 from ..store.formats import precision_names
-from ..store.prepare import ensure_precision
-from .loader import load_weights
 
 
 def prepare(
@@ -27,6 +25,9 @@ def prepare(
 
     The cache key depends on the values quantized, not on the storage dtype, so what this writes is
     what `generate`/`serve`/`bench` read on any device (given the same `--cache-dir`)."""
+    from ..store.prepare import ensure_precision
+    from .loader import load_weights
+
     # the loader's bar only on a terminal: a log gets the one line per precision the store prints
     loaded = load_weights(model_path, device="cpu", dtype=dtype, progress=progress and sys.stderr.isatty())
     written = []
