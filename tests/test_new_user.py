@@ -82,3 +82,21 @@ def test_generate_into_a_closed_pipe_exits_quietly():
     assert first
     assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()[-2000:]
     assert writer.returncode in (0, 1, 141), writer.returncode
+
+
+def test_the_demo_models_cache_is_not_written_into_the_package(tmp_path, monkeypatch):
+    """The embedded demo model is the package's own files: its quantized experts go to
+    `$MOETIDE_CACHE` (the tests point it under the temporary directory), while a checkpoint the
+    user owns keeps its cache beside it."""
+    import tempfile
+    from pathlib import Path
+
+    from moetide.engine.llm import demo_model_path
+    from moetide.store.prepare import default_cache_dir
+
+    demo = Path(demo_model_path())
+    assert not default_cache_dir(demo).resolve().is_relative_to(demo.resolve().parent)
+    assert default_cache_dir(demo).is_relative_to(tempfile.gettempdir())  # tests/conftest.py
+    monkeypatch.setenv("MOETIDE_CACHE", str(tmp_path / "elsewhere"))
+    assert default_cache_dir(demo).parent == tmp_path / "elsewhere"
+    assert default_cache_dir(tmp_path) == tmp_path / ".moetide-cache"

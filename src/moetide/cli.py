@@ -111,7 +111,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         "--cache-dir",
         default=None,
         help="where prepared lo versions are read and written (as `moetide prepare --cache-dir`;"
-        " default: <model>/.moetide-cache)",
+        " default: <model>/.moetide-cache, or ~/.cache/moetide for the demo model and read-only folders)",
     )
     p.add_argument(
         "--host-versions",

@@ -52,7 +52,12 @@ def register_cli(subparsers) -> None:
     p.add_argument("model", help="checkpoint directory")
     names = ", ".join(precision_names(low_bit_only=True))
     p.add_argument("--lo", default="int4,int2", help=f"comma-separated lo precisions ({names})")
-    p.add_argument("--cache-dir", default=None, help="where to write (default: <model>/.moetide-cache)")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where to write (default: <model>/.moetide-cache, or ~/.cache/moetide for the demo model and"
+        " read-only folders)",
+    )
     p.add_argument(
         "--dtype",
         default="auto",
