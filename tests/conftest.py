@@ -20,6 +20,12 @@ from tiny_models import FAMILIES, save_tiny_model
 # recording 6 demo-model requests: 5.9 s with 1, 34.9 s with 2, on a busy machine).
 torch.set_num_threads(1)
 
+# Quantized expert caches of checkpoints the tests do not own (the embedded demo model) go under the
+# system's temporary directory, kept between sessions (the cache key follows the shards and the
+# quantizer, so a stale file is never read); subprocesses inherit it.
+TEST_CACHE = Path(tempfile.gettempdir()) / f"moetide-tests-{os.getuid()}"
+os.environ.setdefault("MOETIDE_CACHE", str(TEST_CACHE))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

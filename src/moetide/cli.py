@@ -119,7 +119,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         "--cache-dir",
         default=None,
         help="where prepared lo versions are read and written (as `moetide prepare --cache-dir`;"
-        " default: <model>/.moetide-cache)",
+        " default: <model>/.moetide-cache, or ~/.cache/moetide for the demo model and read-only folders)",
     )
     p.add_argument(
         "--host-versions",
@@ -413,6 +413,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly
+        _silence_stdout()
+        return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (redirected in-process)
+        pass
 
 
 if __name__ == "__main__":

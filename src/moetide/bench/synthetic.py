@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
-from tqdm.auto import tqdm
+if TYPE_CHECKING:
+    import torch
 
 SHAPES: dict[str, dict] = {
     "olmoe-1b-7b": dict(
@@ -90,6 +90,8 @@ def synthetic_config(name: str, **overrides):
 
 
 def _random(shape, name: str, generator: torch.Generator, device: str) -> torch.Tensor:
+    import torch
+
     if name.endswith("norm.weight") or "layernorm" in name:
         return torch.ones(shape, dtype=torch.bfloat16)
     t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=generator)
@@ -121,6 +123,10 @@ def write_synthetic_checkpoint(
     **overrides,
 ) -> Path:
     """Write a random bf16 model of shape `name` to `path` (config, shards, index, tokenizer)."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
     from ..models.loader import build_empty_model, moe_blocks
     from ..models.registry import get_adapter
 

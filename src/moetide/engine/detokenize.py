@@ -76,8 +76,8 @@ class TextStream:
     """The new, stable text of one sequence after each engine step.
 
     `delta(text, finished)` returns what to print now: the stable prefix of `text` beyond what was
-    printed, or, once the sequence is finished, everything left (a U+FFFD that is still there at the
-    end is a byte sequence the model really left incomplete).
+    printed, or, once the sequence is finished, everything left (the engine drops a character that
+    `max_tokens` cut half-way; a U+FFFD still there at the end is one the model ended its turn in).
     """
 
     def __init__(self, stop: tuple[str, ...] = ()):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .detokenize import find_stop
+from .detokenize import find_stop, stable_prefix
 from .kv_blocks import BlockAllocator
 from .runner import DeviceTokens, ModelRunner
 from .sampling import SamplingParams, sample_next_tokens
@@ -252,6 +252,7 @@ class LLMEngine:
                 seq.finish("stop")
                 return True
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.text = stable_prefix(seq.text)  # a character the token budget cut half-way is not shown
             seq.finish("length")
             return True
         return False

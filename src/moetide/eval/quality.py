@@ -56,8 +56,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..policies.dynaexq import DynaExqScheduler
-from ..residency.budget import split_ladder
 from ..store.formats import FORMATS, parse_ladder, precision_names, user_name
 from .report import (  # noqa: F401 - re-exported: the report is part of `moetide eval`'s API
     LADDER_ALIASES,
@@ -191,6 +189,8 @@ def ladder_experts(budget: str, geo: ExpertGeometry, ladder: tuple[str, ...]) ->
     else:
         memory = all_cold + float(budget) * (all_bf16 - all_cold)
     room = max(0, int(memory - all_cold))
+    from ..residency.budget import split_ladder
+
     min_top = geo.top_k if len(ladder) > 2 else 0  # as the engine's plan (two tiers: the whole room)
     return split_ladder(room, tuple(geo.ref_bytes[p] for p in ladder[:-1]), geo.total, min_top)
 
@@ -373,6 +373,7 @@ def evaluate_config(
     """Load one configuration, calibrate it if dynamic, score it. Returns its JSON record."""
     from ..bench.runs import close_engine, free_device
     from ..engine.llm import build_engine
+    from ..policies.dynaexq import DynaExqScheduler
 
     record: dict = {"name": name if budget is None else f"{name}@{budget}", "config": name, "budget": budget}
     plan = config_plan(spec, model_path, name, geo, budget)

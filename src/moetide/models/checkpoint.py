@@ -61,6 +61,7 @@ def read_shard_header(path: Path) -> ShardInfo:
         )
     data_len = size - 8 - header_len
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    last = (0, "")  # the largest end offset in the data section, and its tensor
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -71,11 +72,15 @@ def read_shard_header(path: Path) -> ShardInfo:
             raise CheckpointError(
                 f"{path}: corrupt safetensors shard (bad entry for tensor {name!r})"
             ) from None
-        if end > data_len or begin > end:
-            raise CheckpointError(
-                f"{path}: truncated safetensors shard (tensor {name!r} ends at byte {end}, file holds {data_len})"
-            )
+        if begin > end:
+            raise CheckpointError(f"{path}: corrupt safetensors shard (tensor {name!r} ends before it begins)")
         tensors[name] = (dtype, shape)
+        last = max(last, (end, name))
+    if last[0] > data_len:  # sizes as the file system gives them: header length + header + data
+        raise CheckpointError(
+            f"{path}: truncated safetensors shard (its header describes {8 + header_len + last[0]:,} bytes,"
+            f" the file has {size:,}; tensor {last[1]!r} ends past the end)"
+        )
     return ShardInfo(path=path, tensors=tensors)
 
 

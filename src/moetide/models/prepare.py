@@ -11,8 +11,6 @@ from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError
 from ..store.formats import precision_names
-from ..store.prepare import ensure_precision
-from .loader import load_weights
 
 
 def prepare(
@@ -27,6 +25,9 @@ def prepare(
 
     The cache key depends on the values quantized, not on the storage dtype, so what this writes is
     what `generate`/`serve`/`bench` read on any device (given the same `--cache-dir`)."""
+    from ..store.prepare import ensure_precision
+    from .loader import load_weights
+
     # the loader's bar only on a terminal: a log gets the one line per precision the store prints
     loaded = load_weights(model_path, device="cpu", dtype=dtype, progress=progress and sys.stderr.isatty())
     written = []
@@ -51,7 +52,12 @@ def register_cli(subparsers) -> None:
     p.add_argument("model", help="checkpoint directory")
     names = ", ".join(precision_names(low_bit_only=True))
     p.add_argument("--lo", default="int4,int2", help=f"comma-separated lo precisions ({names})")
-    p.add_argument("--cache-dir", default=None, help="where to write (default: <model>/.moetide-cache)")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where to write (default: <model>/.moetide-cache, or ~/.cache/moetide for the demo model and"
+        " read-only folders)",
+    )
     p.add_argument(
         "--dtype",
         default="auto",

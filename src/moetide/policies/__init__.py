@@ -7,10 +7,21 @@ workloads are in `moetide.analysis`.
 
 from __future__ import annotations
 
-from .base import ExpertPolicy, ExpertSink, PolicyBase, StepObservation
 from .registry import PolicyOptions, policy_spec
 
 __all__ = ["ExpertPolicy", "ExpertSink", "PolicyBase", "StepObservation", "make_policy"]
+
+_BASE_NAMES = ("ExpertPolicy", "ExpertSink", "PolicyBase", "StepObservation")
+
+
+def __getattr__(name: str):
+    """The policy base classes, imported on first use: the registry alone (the CLI's choices, config
+    validation) needs no torch."""
+    if name in _BASE_NAMES:
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_policy(

@@ -1,6 +1,15 @@
 """OpenAI-compatible serving: an engine thread (`AsyncEngine`), the FastAPI app and `moetide serve`."""
 
-from .async_engine import AsyncEngine, EngineStoppedError, QueueFullError, RequestEvent, RequestStream
+_ENGINE_NAMES = ("AsyncEngine", "EngineStoppedError", "QueueFullError", "RequestEvent", "RequestStream")
+
+
+def __getattr__(name: str):
+    """The engine thread's classes, imported on first use: `moetide serve --help` needs no torch."""
+    if name in _ENGINE_NAMES:
+        from . import async_engine
+
+        return getattr(async_engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def create_app(*args, **kwargs):

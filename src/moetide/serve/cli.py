@@ -14,10 +14,12 @@ import os
 import sys
 from pathlib import Path
 
+import uvicorn  # noqa: F401 - an install without it is told so when the CLI registers `serve`
+
 from ..cli import add_engine_args, engine_config_from_args
 from ..config import SERVE_KV_TOKENS_PER_SEQ, EngineConfig
 from ..errors import ConfigError
-from .http import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, is_loopback
+from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, is_loopback
 
 API_KEY_ENV = "MOETIDE_API_KEY"
 # after the drain timeout, the aborted streams get this long to send their last chunk and [DONE]

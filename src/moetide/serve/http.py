@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import threading
 
@@ -30,10 +29,9 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, is_loopback  # noqa: F401 - re-exported
 from .protocol import error_body
 
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20
-DEFAULT_READ_TIMEOUT_S = 30.0
 OPEN_PATHS = frozenset({"/health"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 INVALID_HTTP_MESSAGE = (
@@ -197,16 +195,6 @@ def read_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
                 self.transport.close()
 
     return ReadTimeoutH11Protocol
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or a name) only listens on this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class DrainingServer(uvicorn.Server):

@@ -34,12 +34,17 @@ FORMAT_VERSION = 2  # 2: keys by the values' dtype and the format spec (per-matr
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
 
+_PACKAGE = Path(__file__).resolve().parents[1]  # the installed moetide package
+
+
 def default_cache_dir(checkpoint: Path) -> Path:
-    """`<checkpoint>/.moetide-cache` when writable, else `~/.cache/moetide/<hash of the path>`."""
-    local = checkpoint / ".moetide-cache"
-    if os.access(checkpoint, os.W_OK):
-        return local
-    digest = hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:16]
+    """`<checkpoint>/.moetide-cache` when writable, else `$MOETIDE_CACHE/<hash of the path>` (default
+    `~/.cache/moetide/<hash>`). The embedded demo model is the package's own files, not the user's
+    folder: its cache always goes to the second place."""
+    resolved = checkpoint.resolve()
+    if os.access(checkpoint, os.W_OK) and not resolved.is_relative_to(_PACKAGE):
+        return checkpoint / ".moetide-cache"
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:16]
     return Path(os.environ.get("MOETIDE_CACHE", Path.home() / ".cache" / "moetide")) / digest
 
 
