@@ -22,6 +22,7 @@ from .config import (
     SEARCHERS,
     EngineConfig,
     format_bytes,
+    parse_bytes,
 )
 from .errors import ConfigError, MoetideError
 from .store.formats import LOW_BIT_FORMATS
@@ -81,6 +82,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         default=None,
         help="hard cap on moetide's device memory, e.g. 6GiB, or NN%% (the fixed part + NN%% of all"
         " experts in hi precision)",
+    )
+    p.add_argument(
+        "--cpu-memory",
+        default=None,
+        help="hard cap on moetide's host memory for expert versions, e.g. 24GiB (default: what the"
+        " machine can spare); below the model's experts, hi versions are read from the mapped checkpoint",
     )
     p.add_argument("--policy", default="combined", choices=POLICIES, help="expert residency policy")
     p.add_argument(
@@ -225,6 +232,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_model_len=args.max_model_len,
         kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
         prefix_caching=getattr(args, "prefix_caching", True),
+        cpu_memory_bytes=parse_bytes(args.cpu_memory) if args.cpu_memory else None,
         **precision_options_from_args(args),
     )
     if args.gpu_memory is None:
@@ -328,10 +336,23 @@ def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:
 
 # -- info --------------------------------------------------------------------------------------------------
 def cmd_info(args) -> int:
+    from .engine.host_memory import describe_needs, host_cap
     from .engine.llm import demo_model_path
+    from .engine.memory import resolve_budget
     from .models.info import describe_checkpoint
+    from .models.loader import resolve_device
 
-    print(describe_checkpoint(args.path or demo_model_path()))
+    path = args.path or demo_model_path()
+    print(describe_checkpoint(path))
+    config = EngineConfig(model=str(path), device=args.device,
+                          cpu_memory_bytes=parse_bytes(args.cpu_memory) if args.cpu_memory else None)  # fmt: skip
+    config = dataclasses.replace(config, gpu_memory_bytes=resolve_budget(args.gpu_memory, config))
+    device = resolve_device(args.device)
+    gpu = "no cap" if config.gpu_memory_bytes is None else format_bytes(config.gpu_memory_bytes)
+    print(
+        f"\nmemory per policy on {device.type} (--gpu-memory {gpu}; host cap {format_bytes(host_cap(config))})"
+    )
+    print("\n".join(describe_needs(config, device.type)))
     return 0
 
 
@@ -354,6 +375,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="describe a checkpoint: family, layers, experts, sizes")
     i.add_argument("path", nargs="?", default=None)
+    i.add_argument(
+        "--device", default=None, help="the device the needs are for (default: CUDA when available)"
+    )
+    i.add_argument(
+        "--gpu-memory", default=None, help="the device budget the needs are for, e.g. 16GiB or 25%%"
+    )
+    i.add_argument(
+        "--cpu-memory",
+        default=None,
+        help="the host cap to compare against (default: what the machine can spare)",
+    )
     i.set_defaults(func=cmd_info)
 
     for register in _extra_commands():

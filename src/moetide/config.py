@@ -80,6 +80,10 @@ class EngineConfig:
         device: "cuda", "cuda:N", "cpu" or None for CUDA when available.
         dtype: compute dtype ("auto" = checkpoint dtype on CUDA, float32 on CPU).
         gpu_memory_bytes: hard cap on what moetide allocates on the device; None = no cap.
+        cpu_memory_bytes: hard cap on the host memory moetide allocates for expert versions (hi and
+            lo arenas, staged hi slots, batches read from the checkpoint to quantize), pinned or not;
+            None = what the machine can spare (`engine/host_memory.py`). Below every hi version +
+            the lo versions, hi versions are read from the mapped checkpoint (docs/memory.md).
         policy: expert residency policy (see POLICIES).
         lo_precision: the low precision kept for "lo" versions (a low-bit name of `store.formats.FORMATS`:
             "int4", "int2+4", "int2", or "auto": int4 when all experts fit in int4 with room left for
@@ -173,6 +177,7 @@ class EngineConfig:
     device: str | None = None
     dtype: str = "auto"
     gpu_memory_bytes: int | None = None
+    cpu_memory_bytes: int | None = None
     policy: str = "combined"
     lo_precision: str = "auto"
     on_miss: str = "auto"
@@ -255,6 +260,8 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-tokens must be a whole number of tokens >= 1, got {kv_tokens!r}")
         if self.gpu_memory_bytes is not None and self.gpu_memory_bytes <= 0:
             raise ConfigError("--gpu-memory must be a positive size such as 6GiB")
+        if self.cpu_memory_bytes is not None and self.cpu_memory_bytes <= 0:
+            raise ConfigError("--cpu-memory must be a positive size such as 24GiB")
         if not str(self.model):
             raise ConfigError("a model path is required")
         if self.hi_precision not in FORMATS:

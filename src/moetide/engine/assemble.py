@@ -26,6 +26,8 @@ def load_model(
     dtype: str = "auto",
     residency_factory=None,
     progress: bool = True,
+    host_budget=None,
+    map_hi: bool = False,
 ) -> LoadedModel:
     """Load a local HF MoE checkpoint through transformers' modeling code with managed experts.
 
@@ -33,7 +35,8 @@ def load_model(
     the device; it runs after the non-expert weights are placed (they count in the budget). The
     default keeps every expert in hi at a fixed slot (`StaticResidency`: no budget).
     """
-    loaded = load_weights(path, device=device, dtype=dtype, progress=progress)
+    loaded = load_weights(path, device=device, dtype=dtype, progress=progress, host_budget=host_budget,
+                          map_hi=map_hi)  # fmt: skip
     assemble_runtime(loaded, residency_factory)
     return loaded
 

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..config import EngineConfig, format_bytes
+from ..config import EngineConfig, format_bytes, parse_bytes
 from ..errors import ConfigError
 from ..models.checkpoint import inspect_checkpoint, load_tokenizer
 from ..models.loader import LoadedModel, resolve_device
@@ -166,6 +166,8 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
     from ..compute.fused_moe_config import moe_scratch_bytes
     from ..compute.runtime import check_lo_kernel
     from ..residency import build_residency
+    from ..residency.budget import BudgetTracker
+    from .host_memory import check_host_budget, host_cap
     from .memory import check_budget
 
     inspect_checkpoint(config.model_path)  # a bad path is reported before the tokenizer is looked for
@@ -173,7 +175,11 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
     device = resolve_device(config.device)
     check_lo_kernel(config.lo_kernel, device)  # before the weights load
     check_budget(config)
+    map_hi = check_host_budget(config, device.type)
+    host_budget = BudgetTracker(host_cap(config))
     cap = "no cap" if config.gpu_memory_bytes is None else f"cap {format_bytes(config.gpu_memory_bytes)}"
+    if map_hi:
+        cap += f", host cap {format_bytes(host_budget.total_bytes)}: hi read from the mapped checkpoint"
     what = f"loading {config.model_path.name} on {device} ({config.policy}, {cap})"
     progress = progress_bars(progress, what)
     loaded = load_model(
@@ -193,7 +199,10 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
             ),
         ),
         progress=progress,
+        host_budget=host_budget,
+        map_hi=map_hi,
     )
+    loaded.runtime.metrics.host_store = loaded.store
     loaded.runtime.set_lo_kernel(config.lo_kernel, device)
     loaded.runtime.observations.decode_tokens = max(config.max_num_seqs, 1)  # before any step
     attach_policy(config, loaded)
@@ -296,6 +305,8 @@ class LLM:
 
     `gpu_memory`: a size ("6GiB"), bytes, or "NN%" (the fixed part + NN % of all experts in hi
     precision for this model); a budget too small for the policy is refused before the load.
+    `cpu_memory`: a size ("24GiB") or bytes: the cap on host memory for expert versions (default:
+    what the machine can spare); below the model's experts, hi is read from the mapped checkpoint.
     Other keyword arguments set `EngineConfig` fields (`lo_kernel`, `prefetch_distance`, `searcher`,
     `cuda_graphs`, ...); a name that is not one is an error.
     """
@@ -306,6 +317,7 @@ class LLM:
         *,
         device: str | None = None,
         gpu_memory: str | int | None = None,
+        cpu_memory: str | int | None = None,
         policy: str = "combined",
         dtype: str = "auto",
         max_num_seqs: int = 32,
@@ -327,6 +339,8 @@ class LLM:
             max_model_len=max_model_len,
             **extra,
         )
+        if cpu_memory is not None:  # "24GiB" or bytes: the host memory for expert versions
+            self.config = replace(self.config, cpu_memory_bytes=parse_bytes(cpu_memory))
         if gpu_memory is not None:  # "6GiB", bytes, or "25%" (of this model: see engine/memory.py)
             self.config = replace(self.config, gpu_memory_bytes=resolve_budget(gpu_memory, self.config))
         self.loaded, self.engine, self.tokenizer = build_engine(self.config, progress=progress)
@@ -387,3 +401,4 @@ class LLM:
             self.loaded.policy_hooks.remove()
         self.engine.runner.close()
         self.loaded.runtime.residency.close()
+        self.loaded.store.close()

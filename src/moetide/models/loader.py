@@ -1,6 +1,7 @@
 """Build transformers' own model without weights and load the checkpoint: experts to the host store.
 
-Steps (peak host memory ≈ the expert store + one tensor; never the model twice):
+Steps (peak host memory ≈ the expert store + one tensor; never the model twice; with `map_hi` the
+expert store holds no hi arena and the expert tensors stay in the mapped shards, `store/mapped.py`):
   1. `inspect_checkpoint`: config, family adapter, shard headers checked.
   2. Build the model with parameters on the meta device (buffers such as rotary tables are real).
   3. Replace `mlp.experts` on every MoE block instance with an `ExpertsInHostStore` placeholder
@@ -137,10 +138,19 @@ def _assign_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None
 
 
 def load_weights(
-    path, *, device: str | torch.device | None = None, dtype: str = "auto", progress: bool = True
+    path,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str = "auto",
+    progress: bool = True,
+    host_budget=None,
+    map_hi: bool = False,
 ) -> LoadedModel:
     """Load a local HF MoE checkpoint into transformers' modeling code: non-expert weights on the
-    device in the compute dtype, every routed expert in a host `HostExpertStore`."""
+    device in the compute dtype, every routed expert in a host `HostExpertStore`.
+
+    `host_budget`: a `BudgetTracker` of the host bytes the store may allocate (`--cpu-memory`);
+    `map_hi`: read no expert tensor now; the store reads hi versions from the mapped shards."""
     info = inspect_checkpoint(path)
     config, adapter = info.config, info.adapter
     dev = device if isinstance(device, torch.device) else resolve_device(device)
@@ -156,10 +166,16 @@ def load_weights(
     shape = ExpertShape(
         hidden=config.hidden_size, intermediate=adapter.expert_intermediate(config), dtype=compute_dtype
     )
-    store = HostExpertStore(len(blocks), adapter.num_experts(config), shape, pin_memory=dev.type == "cuda")
+    layer_to_moe = {layer_idx: i for i, (layer_idx, _) in enumerate(blocks)}
+    mapped = None
+    if map_hi:
+        from ..store.mapped import MappedExperts
+
+        mapped = MappedExperts(info, layer_to_moe)
+    store = HostExpertStore(len(blocks), adapter.num_experts(config), shape, pin_memory=dev.type == "cuda",
+                            budget=host_budget, mapped=mapped)  # fmt: skip
     for i, (_, block) in enumerate(blocks):
         block.experts = ExpertsInHostStore(i)
-    layer_to_moe = {layer_idx: i for i, (layer_idx, _) in enumerate(blocks)}
     _stream_shards(info, model, store, layer_to_moe, dev, compute_dtype, progress)
     store.check_complete()
 
@@ -181,8 +197,11 @@ def _stream_shards(info, model, store, layer_to_moe: dict[int, int], dev, comput
         try:
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:
                 for name in shard.tensors:
-                    tensor = f.get_tensor(name)
                     key = adapter.match_expert_key(name)
+                    if key is not None and store.mapped is not None:
+                        bar.update(1)
+                        continue  # read in place from the map when staged or quantized
+                    tensor = f.get_tensor(name)
                     if key is not None:
                         layer_idx, expert, role = key
                         if layer_idx not in layer_to_moe:

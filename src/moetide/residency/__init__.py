@@ -159,6 +159,8 @@ def build_residency(
     mids = config.mid_precisions if mode == "lo+hi" else ()  # a deeper ladder's middle tiers
     precisions = (*((lo,) if needs_lo else ()), hi_precision, *mids)
     _prepare_versions(config, store, precisions, room, progress)
+    if store.hi_mapped and (mode == "all-hi" or hi_precision == "hi" and mode == "lo+hi"):
+        stage_hi_within_cap(store, getattr(model_config, "num_experts_per_tok", 1))
     lo_bytes = store.bytes_per_expert(lo) if lo in store.versions else 0
     top_k = getattr(model_config, "num_experts_per_tok", 1)
     plan = plan_memory(
@@ -220,9 +222,23 @@ def _prepare_versions(
     cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else None
     quant_bytes = max(0, room) if config.gpu_memory_bytes is not None else None
     for precision in precisions:
-        if precision not in store.versions:
+        if precision not in store.versions and precision != "hi":  # (hi: the checkpoint's, mapped)
             ensure_precision(store, config.model_path, precision, progress=progress, cache_dir=cache_dir,
                              device_bytes=quant_bytes)  # fmt: skip
+
+
+def stage_hi_within_cap(store: HostExpertStore, at_least: int) -> None:
+    """Give a mapped store its staged hi slots: as many as the host cap has room for beside the
+    versions it holds (all experts at most, `at_least` at least: one layer's top-k)."""
+    every = store.num_layers * store.num_experts
+    room = store.budget.total_bytes - store.budget.used_bytes
+    slots = min(every, room // store.shape.hi_nbytes)
+    if slots < at_least:
+        raise BudgetError(
+            f"the host cap leaves room for {slots} staged hi experts beside the lo versions; this policy"
+            f" needs {at_least} (one layer's top-k)"
+        )
+    store.stage_hi(slots)
 
 
 def drop_host_versions(

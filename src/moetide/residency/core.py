@@ -42,6 +42,7 @@ from .budget import BudgetTracker, MemoryPlan
 from .cache import VersionCache
 from .eviction import ExpertStats, eviction_rule
 from .handles import DeviceVersion, ExpertHandle
+from .host_source import copy_source, fence, staged_source, unhold
 from .metrics import ExpertMetrics
 from .options import ON_MISS_RULES, TABLE_LAG, ResidencyOptions  # noqa: F401 - re-exported
 from .pool import SlotPool
@@ -355,6 +356,10 @@ class ResidencyManager:
             if self.reserve.unpark(pool, (layer, expert)) and in_step is not None:
                 self._republish(h, pool)
             return False
+        src = staged_source(self.store, self.precision_of(pool), layer, expert, self.options.deterministic)
+        if src is False:  # its hi version is only on disk: the stager reads it, a later request copies it
+            self.metrics.bump("deferred")
+            return False
         fill = self.queue.take_fill(layer, expert)  # caching a miss: not a prediction, never dropped
         if not fill and self.queue.link_full():
             self.metrics.bump("deferred")
@@ -365,9 +370,10 @@ class ResidencyManager:
             victims = victims_for(pool) if victims_for is not None else None
             slot = self.cache.take_slot(pool, self._step_marker, may_evict=True, next_victim=victims)
         if slot is None:
+            unhold(self.store, src)
             self.metrics.bump("deferred")
             return False
-        version = self._start_copy(h, pool, slot, PRIORITY_PREFETCH)
+        version = self._start_copy(h, pool, slot, PRIORITY_PREFETCH, src)
         version.issued_at = self.iteration
         version.prefetched = not fill
         self.metrics.bump("miss_fills" if fill else "prefetches_issued")
@@ -434,11 +440,18 @@ class ResidencyManager:
             dropped = True
         outcome = "done"
         if target != "lo" and target not in h.versions and self.pools[target].num_slots:
-            slot = self.cache.take_slot(target, self._step_marker, may_evict=True, cold_only=True)
-            if slot is None:  # admission control: no reservation, no copy; what is resident keeps serving
+            src = staged_source(
+                self.store, self.precision_of(target), h.layer, h.expert, self.options.deterministic
+            )
+            if src is False:  # only on disk: staged in the background, the change stays queued
                 self.metrics.bump("deferred")
                 return "deferred"
-            self._start_copy(h, target, slot, PRIORITY_MIGRATION)
+            slot = self.cache.take_slot(target, self._step_marker, may_evict=True, cold_only=True)
+            if slot is None:  # admission control: no reservation, no copy; what is resident keeps serving
+                unhold(self.store, src)
+                self.metrics.bump("deferred")
+                return "deferred"
+            self._start_copy(h, target, slot, PRIORITY_MIGRATION, src)
             outcome = "copied"
         # one count per change of tier (the precision policy's, not cache evictions)
         if outcome == "copied" and (before is None or rank < before):
@@ -448,17 +461,21 @@ class ResidencyManager:
         return outcome
 
     # -- copies and the table -----------------------------------------------------------------------------
-    def _start_copy(self, handle: ExpertHandle, pool: str, slot: int, priority: int) -> DeviceVersion:
+    def _start_copy(
+        self, handle: ExpertHandle, pool: str, slot: int, priority: int, src=None
+    ) -> DeviceVersion:
         """Copy `handle`'s version of `pool`'s precision into `slot` on the copy stream; in table mode
-        the copy then publishes its own entry (`_publishing_words`)."""
+        the copy then publishes its own entry (`_publishing_words`). `src`: the host buffer to copy
+        from (`host_source.staged_source`), or None: the store's (`host_source.copy_source`)."""
         precision = self.precision_of(pool)
-        src = self.store.buffer(handle.layer, handle.expert, precision)
+        src = copy_source(self.store, precision, handle.layer, handle.expert, src)
         dst = self.pools[pool].buffer(slot)[: src.numel()]
         then, number = self._publishing_words(handle, pool, slot), 0
         if self.waits and pool == "hi" and self._static_table is None:
             number = self.table.next_copy_number()
             then = [self.table.landed_word(slot, number)] + then  # right after the data
         event = self.transfer.copy(dst, src, priority, then=then)
+        fence(self.store, precision, src, event)  # a staged slot is not reused before the copy has read it
         self.metrics.add_copy(src.numel())
         if precision == "hi":
             views, meta = hi_views(dst, self.store.shape), None

@@ -41,6 +41,7 @@ class ExpertMetrics:
     steps_observed: int = 0  # steps whose routing reached the host (accounting and policies)
     step_host_s: float = 0.0  # host seconds at step boundaries: residency decisions, table, publishing
     peak_device_bytes: int = 0
+    host_store: object = field(default=None, repr=False)  # the HostExpertStore, for `host_stats`
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,10 +106,16 @@ class ExpertMetrics:
             "steps_observed": self.steps_observed,
             "step_host_s": round(self.step_host_s, 6),
             "peak_device_bytes": self.peak_device_bytes,
+            **(self.host_store.host_stats() if self.host_store is not None else {}),
             "resident": resident or {},
             "per_layer": [
-                {"used": c.used, "hits": c.hits, "lo_runs": c.lo_runs, "mid_runs": c.mid_runs,
-                 "misses": c.misses}
+                {
+                    "used": c.used,
+                    "hits": c.hits,
+                    "lo_runs": c.lo_runs,
+                    "mid_runs": c.mid_runs,
+                    "misses": c.misses,
+                }
                 for c in self.layers
             ],
         }
@@ -118,6 +125,6 @@ class ExpertMetrics:
             keep = self.peak_device_bytes
             fresh = ExpertMetrics(self.num_layers)
             for name in fresh.__dataclass_fields__:
-                if name != "_lock":
+                if name not in ("_lock", "host_store"):
                     setattr(self, name, getattr(fresh, name))
             self.peak_device_bytes = keep

@@ -74,6 +74,20 @@ class _ExpertCollector:
             ("moetide_expert_prefetches_used", "Prefetched experts that were then used", "prefetches_used"),
         )
         yield from _families(CounterMetricFamily, counters, snap)
+        host_counters = (
+            ("moetide_host_cache_hits", "hi copies served from the staged host cache", "host_cache_hits"),
+            ("moetide_disk_reads", "Experts read from the mapped checkpoint", "disk_reads"),
+            ("moetide_disk_read_bytes", "Checkpoint bytes read from the map", "disk_read_bytes"),
+            ("moetide_disk_read_seconds", "Seconds spent reading experts from the map", "disk_read_s"),
+        )
+        yield from _families(CounterMetricFamily, host_counters, snap)
+        host_gauges = (
+            ("moetide_host_staged_bytes", "Host bytes of the staged hi cache", "host_staged_bytes"),
+            ("moetide_host_expert_bytes", "Host bytes held for expert versions", "host_expert_bytes"),
+            ("moetide_rss_bytes", "Resident set size of the engine's process", "rss_bytes"),
+            ("moetide_rss_peak_bytes", "Peak resident set size (VmHWM)", "rss_peak_bytes"),
+        )
+        yield from _families(GaugeMetricFamily, host_gauges, snap)
         resident = GaugeMetricFamily(
             "moetide_resident_experts", "Experts resident on the device", labels=["precision"]
         )
@@ -106,8 +120,16 @@ class _KVCacheCollector:
         )
         yield from _families(GaugeMetricFamily, gauges, snap)
         counters = (
-            ("moetide_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
-            ("moetide_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", "prefix_cache_hits"),
+            (
+                "moetide_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                "prefix_cache_queries",
+            ),
+            (
+                "moetide_prefix_cache_hits",
+                "Prompt tokens whose KV the prefix cache held",
+                "prefix_cache_hits",
+            ),
             ("moetide_preemptions", "Sequences preempted (KV freed, recomputed later)", "preemptions"),
         )
         yield from _families(CounterMetricFamily, counters, snap)

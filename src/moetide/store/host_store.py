@@ -6,10 +6,17 @@ Layout of the hi version of one expert (checkpoint dtype or the compute dtype):
 stored back to back in one flat byte buffer, so one host->device copy moves one expert.
 All experts of all MoE layers share one arena tensor `(L * E, bytes_per_expert)` of uint8,
 allocated (and, with CUDA, pinned) once, before any weight is read.
+
+Under a `--cpu-memory` cap too small for that arena, the store has no hi arena: the checkpoint is
+the bottom tier (`store.mapped`, read in place through a memory map) and a fixed number of hi
+versions are staged in host slots (`store.staging`, `stage_hi`). Every host allocation of expert
+versions (arenas, staged slots, a quantizer batch read from the map) is reserved against the
+store's `budget` first, and released when it goes.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -66,32 +73,92 @@ class HostExpertStore:
     `add_precision` (quantizing hi) or loaded from a prepared cache.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, shape: ExpertShape, *, pin_memory: bool = False):
+    def __init__(self, num_layers: int, num_experts: int, shape: ExpertShape, *, pin_memory: bool = False,
+                 budget=None, mapped=None):  # fmt: skip
+        """`budget`: a `residency.budget.BudgetTracker` of host bytes (None: no cap); `mapped`: the
+        checkpoint's `MappedExperts`, to read hi versions from in place of a hi arena."""
+        from ..residency.budget import BudgetTracker
+
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.shape = shape
         self.pin_memory = pin_memory
+        self.budget = budget if budget is not None else BudgetTracker(1 << 62)
+        self.mapped = mapped
+        self.staged = None  # the `StagedHi` slots, once `stage_hi` made them (mapped stores only)
         self.meta: dict[str, object] = {}
         self.versions: dict[str, torch.Tensor] = {}
         self._filled: torch.Tensor = torch.zeros(num_layers, num_experts, 3, dtype=torch.bool)
         self.checkpoint_dtype: torch.dtype | None = None  # the dtype the checkpoint's tensors came in
-        self._allocate("hi", None, shape.hi_nbytes)
+        if mapped is None:
+            self._allocate("hi", None, shape.hi_nbytes)
+        else:
+            self.meta["hi"] = None
+            self.checkpoint_dtype = mapped.checkpoint_dtype
+            for layer, expert, role in mapped.index:
+                if 0 <= layer < num_layers and 0 <= expert < num_experts:
+                    self._filled[layer, expert, ("gate", "up", "down").index(role)] = True
 
     # -- allocation ---------------------------------------------------------------------------------
     def _allocate(self, precision: str, meta, nbytes: int) -> torch.Tensor:
         rows = self.num_layers * self.num_experts
+        self.budget.reserve(rows * nbytes, precision, f"the host {precision} versions of {rows} experts")
         arena = torch.empty((rows, nbytes), dtype=torch.uint8, pin_memory=self.pin_memory)
         self.meta[precision] = meta
         self.versions[precision] = arena
         return arena
 
     def bytes_per_expert(self, precision: str = "hi") -> int:
+        if precision == "hi" and "hi" not in self.versions:
+            return self.shape.hi_nbytes
         return self.versions[precision].shape[1]
 
     def nbytes(self, precision: str | None = None) -> int:
-        """Host bytes held by one precision, or by all of them."""
+        """Host bytes held by one precision, or by all of them (staged hi slots included)."""
         names = [precision] if precision else list(self.versions)
-        return sum(self.versions[p].numel() for p in names)
+        held = sum(self.versions[p].numel() for p in names if p in self.versions)
+        if self.staged is not None and precision in (None, "hi"):
+            held += self.staged.nbytes
+        return held
+
+    # -- the mapped checkpoint as the bottom tier ---------------------------------------------------
+    @property
+    def hi_mapped(self) -> bool:
+        """The hi versions are read from the mapped checkpoint (no hi arena in host memory)."""
+        return "hi" not in self.versions and self.mapped is not None
+
+    def stage_hi(self, slots: int) -> None:
+        """Make the host cache of `slots` staged hi versions (mapped stores; reserved in the budget)."""
+        from .staging import StagedHi
+
+        self.staged = StagedHi(self.mapped, self.shape, self.num_layers, self.num_experts, slots,
+                               pin_memory=self.pin_memory, budget=self.budget)  # fmt: skip
+
+    def hi_source(self, layer: int, expert: int) -> torch.Tensor | None:
+        """The host buffer `(nbytes,)` a hi copy of one expert reads: its row of the hi arena, or its
+        staged slot; None while it is only on disk (it is then queued for the stager)."""
+        if "hi" in self.versions:
+            return self.versions["hi"][self.row(layer, expert)]
+        return self.staged.get(layer, expert) if self.staged is not None else None
+
+    @contextmanager
+    def hi_batch(self, start: int, stop: int):
+        """Typed hi views `gate_up (G, 2I, H)`, `down (G, H, I)` of rows `start..stop-1`: views of the
+        hi arena, or (mapped) a temporary read from the map, reserved in the budget while it lives."""
+        if "hi" in self.versions:
+            yield hi_group_views(self.versions["hi"][start:stop], self.shape)
+            return
+        nbytes = (stop - start) * self.shape.hi_nbytes
+        self.budget.reserve(nbytes, "batch", f"a batch of {stop - start} hi experts read from the checkpoint")
+        try:
+            rows = torch.empty((stop - start, self.shape.hi_nbytes), dtype=torch.uint8)
+            for i, row in enumerate(range(start, stop)):
+                layer, expert = divmod(row, self.num_experts)
+                self.mapped.read_into(layer, expert, hi_views(rows[i], self.shape), self.shape.intermediate)
+            yield hi_group_views(rows, self.shape)
+            del rows
+        finally:
+            self.budget.release(nbytes, "batch")
 
     # -- access ---------------------------------------------------------------------------------------
     def row(self, layer: int, expert: int) -> int:
@@ -170,25 +237,34 @@ class HostExpertStore:
         shape = self.shape
         meta = quant.expert_layout(precision, shape.intermediate, shape.hidden, shape.dtype)
         arena = self._allocate(precision, meta, meta.nbytes)
-        gate_up_all, down_all = hi_group_views(self.versions["hi"], shape)
         step = self.experts_per_batch(device)
         if experts_per_batch is not None:
             step = max(1, min(step, experts_per_batch))
+        if self.hi_mapped:  # the batch read from the map stays inside what the budget has left
+            left = self.budget.total_bytes - self.budget.used_bytes
+            step = max(1, min(step, left // shape.hi_nbytes))
         for start in range(0, arena.shape[0], step):
             stop = min(start + step, arena.shape[0])
-            gate_up, down = gate_up_all[start:stop], down_all[start:stop]
-            part = None if hessians is None else (hessians[0][start:stop], hessians[1][start:stop])
-            if device is not None:
-                gate_up, down = gate_up.to(device), down.to(device)
-                if part is not None:
-                    part = (part[0].to(device), part[1].to(device))
-                rows = torch.empty((stop - start, meta.nbytes), dtype=torch.uint8, device=device)
-                quant.pack_experts(gate_up, down, meta, rows, part)
-                arena[start:stop].copy_(rows)
-            else:
-                quant.pack_experts(gate_up, down, meta, arena[start:stop], part)
+            with self.hi_batch(start, stop) as (gate_up, down):
+                self._quantize_rows(arena, meta, start, stop, gate_up, down, device, hessians)
             if progress is not None:
                 progress.update(stop - start)
+
+    @staticmethod
+    def _quantize_rows(arena, meta, start, stop, gate_up, down, device, hessians) -> None:
+        """Quantize hi experts `gate_up (G, 2I, H)`, `down (G, H, I)` into `arena[start:stop]`."""
+        from . import quant
+
+        part = None if hessians is None else (hessians[0][start:stop], hessians[1][start:stop])
+        if device is not None:
+            gate_up, down = gate_up.to(device), down.to(device)
+            if part is not None:
+                part = (part[0].to(device), part[1].to(device))
+            rows = torch.empty((stop - start, meta.nbytes), dtype=torch.uint8, device=device)
+            quant.pack_experts(gate_up, down, meta, rows, part)
+            arena[start:stop].copy_(rows)
+        else:
+            quant.pack_experts(gate_up, down, meta, arena[start:stop], part)
 
     # Weights quantized per batch: 4 M on the CPU (16 MiB per float32 temporary, so a batch's ~20
     # live temporaries stay near the caches), 64 M on a GPU (enough to fill it).
@@ -216,16 +292,35 @@ class HostExpertStore:
         share its weight statistics; the whole matrices would cost a large model tens of seconds of
         start-up); None when a version is not in host memory. Experts are dequantized
         `experts_per_batch` at a time."""
-        if any(p not in self.versions for p in ("hi", hot, cold)):
+        if any(p not in self.versions for p in (hot, cold)) or (
+            "hi" not in self.versions and not self.hi_mapped
+        ):
             return None
-        gate_up, down = hi_group_views(self.versions["hi"], self.shape)
-        gain = torch.zeros(gate_up.shape[0])
+        total = self.num_layers * self.num_experts
+        gain = torch.zeros(total)
         step = self.experts_per_batch()
-        for start in range(0, gate_up.shape[0], step):
-            rows = slice(start, start + step)
-            exact = (gate_up[rows, : self.GAIN_ROWS].float(), down[rows, : self.GAIN_ROWS].float())
+        for start in range(0, total, step):
+            rows = slice(start, min(start + step, total))
+            exact = self._first_rows(rows)
             gain[rows] = self._squared_error(cold, rows, exact) - self._squared_error(hot, rows, exact)
         return gain.view(self.num_layers, self.num_experts)
+
+    def _first_rows(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 `gate_up (G, n, H)`, `down (G, n, I)`: the first n <= GAIN_ROWS rows of each expert's
+        hi matrices; a mapped store reads only those rows from the map."""
+        n = self.GAIN_ROWS
+        if "hi" in self.versions:
+            gate_up, down = hi_group_views(self.versions["hi"][rows], self.shape)
+            return gate_up[:, :n].float(), down[:, :n].float()
+        inter, out = self.shape.intermediate, ([], [])
+        for row in range(rows.start, rows.stop):
+            layer, expert = divmod(row, self.num_experts)
+            gate = self.mapped.tensor(layer, expert, "gate", n)
+            if gate.shape[0] < n:  # gate_up's first rows run on into up
+                gate = torch.cat([gate, self.mapped.tensor(layer, expert, "up", n - inter)])
+            out[0].append(gate.float())
+            out[1].append(self.mapped.tensor(layer, expert, "down", n).float())
+        return torch.stack(out[0]), torch.stack(out[1])
 
     def _squared_error(self, precision: str, rows: slice, exact) -> torch.Tensor:
         """Per expert of `rows`, the squared error of `precision`'s weights against `exact`."""
@@ -240,7 +335,9 @@ class HostExpertStore:
             p, n, k = weight.shape  # n <= GAIN_ROWS: the sampled rows
             packed = views[f"{name}_packed"][:, :n]
             codes = quant.unpack(packed, meta.bits_of(name)).reshape(p * n, k)
-            scale, offset = (views[f"{name}_{part}"][:, :n].reshape(p * n, -1) for part in ("scale", "offset"))
+            scale, offset = (
+                views[f"{name}_{part}"][:, :n].reshape(p * n, -1) for part in ("scale", "offset")
+            )
             w_hat = quant.dequantize_matrix(codes, scale, offset, torch.float32).view(p, n, k)
             error += (w_hat - weight).square().sum((1, 2))
         return error
@@ -257,4 +354,35 @@ class HostExpertStore:
     def drop_precision(self, precision: str) -> None:
         """Free a version the user does not want kept in host memory (its layout `meta` stays: the
         device copies are still described by it)."""
-        self.versions.pop(precision, None)
+        arena = self.versions.pop(precision, None)
+        if arena is not None:
+            self.budget.release(arena.numel(), precision)
+
+    def host_stats(self) -> dict:
+        """Host-memory counters: staged-cache hits, disk reads (count, checkpoint bytes, seconds),
+        staged bytes, the expert bytes held and their peak against the cap, and the process's RSS."""
+        from ..engine.host_memory import rss_bytes
+
+        rss, hwm = rss_bytes()
+        staged, mapped = self.staged, self.mapped
+        return {
+            "host_cap_bytes": self.budget.total_bytes if self.budget.total_bytes < 1 << 62 else None,
+            "host_expert_bytes": self.budget.used_bytes,
+            "host_peak_bytes": self.budget.peak_bytes,
+            "host_hi_mapped": self.hi_mapped,
+            "host_cache_hits": staged.hits if staged is not None else 0,
+            "host_cache_requests": staged.requests if staged is not None else 0,
+            "host_staged_bytes": staged.nbytes if staged is not None else 0,
+            "disk_reads": mapped.reads if mapped is not None else 0,
+            "disk_read_bytes": mapped.read_bytes if mapped is not None else 0,
+            "disk_read_s": round(mapped.read_s, 6) if mapped is not None else 0.0,
+            "rss_bytes": rss,
+            "rss_peak_bytes": hwm,
+        }
+
+    def close(self) -> None:
+        """Stop the stager and unmap the checkpoint (mapped stores)."""
+        if self.staged is not None:
+            self.staged.close()
+        if self.mapped is not None:
+            self.mapped.close()

@@ -128,7 +128,7 @@ def load_cached(store: HostExpertStore, path: Path, precision: str) -> bool:
             store.drop_precision(precision)
             raise
     except DamagedFileError as e:
-        if "hi" not in store.versions:
+        if "hi" not in store.versions and not store.hi_mapped:
             raise CheckpointError(
                 f"prepared cache {path} is damaged ({e}) and the checkpoint's experts are not loaded to"
                 " rebuild it: delete the file and run `moetide prepare` again"

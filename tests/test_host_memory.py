@@ -1,0 +1,146 @@
+"""The `--cpu-memory` cap: policies that read hi from the mapped checkpoint run below the demo model's
+bf16 experts with every host allocation of expert versions inside the cap and the uncapped tokens;
+a cap too small is refused before the load naming the smallest that works; `moetide info` prints
+each policy's needs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import moetide
+from moetide.engine.host_memory import host_needs
+from moetide.engine.memory import model_bytes
+from moetide.errors import BudgetError
+from moetide.residency.budget import BudgetTracker
+
+CAP = (
+    30 << 20
+)  # below the demo model's experts in bf16 (48 MiB) and as the CPU store holds them (float32, 96 MiB)
+PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300]]
+GREEDY = moetide.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def host_samples(monkeypatch):
+    """Bytes reserved by the host tracker (total == CAP) after every reservation, in order."""
+    samples = []
+    original = BudgetTracker.try_reserve
+
+    def recording(self, nbytes, category):
+        ok = original(self, nbytes, category)
+        if self.total_bytes == CAP:
+            samples.append((category, nbytes, ok, self.used_bytes))
+        return ok
+
+    monkeypatch.setattr(BudgetTracker, "try_reserve", recording)
+    return samples
+
+
+def _run(policy, cpu_memory, **kw):
+    kw.setdefault("gpu_memory", "40%")
+    llm = moetide.LLM(
+        device="cpu", policy=policy, cpu_memory=cpu_memory, deterministic=True, max_num_seqs=2, **kw
+    )
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return llm, tokens
+
+
+@pytest.mark.parametrize(
+    ("policy", "extra"),
+    [
+        ("combined", {}),
+        ("dynaexq", {}),
+        ("static-int4", {}),
+        ("no-offload", {"gpu_memory": "100%"}),
+        ("combined", {"hi_precision": "int4"}),
+    ],  # fmt: skip
+)
+def test_capped_runs_keep_host_allocations_inside_the_cap_and_give_the_uncapped_tokens(
+    policy, extra, host_samples
+):
+    uncapped, expected = _run(policy, None, **extra)
+    assert not uncapped.loaded.store.hi_mapped
+    uncapped.close()
+    llm, tokens = _run(policy, CAP, **extra)
+    store = llm.loaded.store
+    assert tokens == expected
+    assert store.hi_mapped and "hi" not in store.versions  # no copy of the checkpoint's hi versions
+    assert host_samples and all(used <= CAP for *_, used in host_samples)
+    held = sum(a.numel() for a in store.versions.values()) + (store.staged.nbytes if store.staged else 0)
+    assert held == store.budget.used_bytes <= CAP  # what is held is what was accounted
+    snap = llm.metrics.snapshot()
+    assert snap["host_cap_bytes"] == CAP and snap["host_peak_bytes"] <= CAP and snap["rss_bytes"] > 0
+    copies_hi = policy in ("combined", "dynaexq", "no-offload") and "hi_precision" not in extra
+    if copies_hi:  # hi versions were read from the map into staged slots, and copied from there
+        assert snap["disk_reads"] > 0 and snap["disk_read_bytes"] > 0 and snap["host_cache_hits"] > 0
+        assert snap["host_staged_bytes"] == store.staged.nbytes > 0
+    else:  # hi is not copied: no staged slot
+        assert store.staged is None
+    llm.close()
+
+
+def test_lo_versions_quantized_from_the_map_in_batches_inside_the_cap_equal_those_from_the_hi_arena(
+    host_samples, tmp_path
+):
+    uncapped = moetide.LLM(
+        device="cpu", policy="static-int4", gpu_memory="40%", cache_dir=str(tmp_path / "a")
+    )
+    expected = uncapped.loaded.store.versions["int4"].clone()
+    uncapped.close()
+    llm = moetide.LLM(device="cpu", policy="static-int4", gpu_memory="40%", cpu_memory=CAP,
+                      cache_dir=str(tmp_path / "b"))  # fmt: skip
+    store = llm.loaded.store
+    assert store.hi_mapped and store.versions["int4"].equal(expected)
+    batches = [(nbytes, used) for cat, nbytes, ok, used in host_samples if cat == "batch"]
+    assert len(batches) > 1 and all(
+        used <= CAP for _, used in batches
+    )  # several batches, each inside the cap
+    assert store.budget.reserved["batch"] == 0  # every batch was released
+    llm.close()
+
+
+def test_without_deterministic_a_hi_version_only_on_disk_is_staged_in_the_background():
+    llm = moetide.LLM(device="cpu", policy="combined", cpu_memory=CAP, gpu_memory="40%", max_num_seqs=2)
+    out = llm.generate(PROMPTS * 3, moetide.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    snap = llm.metrics.snapshot()
+    assert all(len(o.token_ids) == 24 for o in out)
+    assert snap["host_cache_requests"] > 0 and snap["disk_reads"] > 0  # the stager read them
+    assert snap["host_cache_hits"] > 0 and snap["host_peak_bytes"] <= CAP
+    llm.close()
+
+
+def test_a_cap_too_small_is_refused_before_the_load_naming_the_smallest_that_works():
+    with pytest.raises(BudgetError, match=r"smallest host budget for combined is --cpu-memory (\S+)") as e:
+        moetide.LLM(device="cpu", policy="combined", cpu_memory="4MiB", gpu_memory="40%")
+    smallest = re.search(r"--cpu-memory (\S+)$", str(e.value)).group(1)
+    llm = moetide.LLM(device="cpu", policy="combined", cpu_memory=smallest, gpu_memory="40%", max_num_seqs=2)
+    assert len(llm.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    llm.close()
+    with pytest.raises(BudgetError, match=r"smallest host budget for lru is --cpu-memory 96MiB"):
+        moetide.LLM(device="cpu", policy="lru", cpu_memory=CAP, gpu_memory="40%")  # misses read host hi
+
+
+def test_info_prints_what_each_policy_needs_at_the_given_budgets(capsys):
+    from moetide.cli import main
+    from moetide.config import EngineConfig
+    from moetide.engine.llm import demo_model_path
+    from moetide.engine.memory import resolve_budget, typed_size
+
+    assert main(["info", "--device", "cpu", "--gpu-memory", "40%", "--cpu-memory", "30MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "host cap 30.00 MiB" in out
+    config = EngineConfig(model=str(demo_model_path()), device="cpu")
+    config = EngineConfig(model=config.model, device="cpu", gpu_memory_bytes=resolve_budget("40%", config))
+    rows = {line.split()[0]: line for line in out.splitlines()[-9:]}
+    for policy in ("combined", "lru", "static-int4", "no-offload"):
+        c = EngineConfig(
+            model=config.model, device="cpu", gpu_memory_bytes=config.gpu_memory_bytes, policy=policy
+        )
+        needs = host_needs(c, model_bytes(c), "cpu")
+        assert (
+            typed_size(needs.minimum) in rows[policy].split()
+            and typed_size(needs.full) in rows[policy].split()
+        )
+    assert "staged" in rows["combined"] and "every hi version" in rows["lru"]
