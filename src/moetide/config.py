@@ -30,7 +30,7 @@ _UNITS = {
 
 POLICIES = POLICY_NAMES  # every --policy name, declared once in policies/registry.py
 PRECISIONS = tuple(FORMATS)  # the registry's names: store/formats.py
-LO_KERNELS = ("auto", "dequant", "triton")
+LO_KERNELS = ("auto", "cuda", "triton", "dequant")
 DECODE_ATTENTIONS = ("auto", "kernel", "gather")
 
 
@@ -112,11 +112,12 @@ class EngineConfig:
             the bf16 layout, the same on every device). None (default): `split_ladder` decides.
         host_versions: expert versions kept in host memory after start-up ("hi", "lo"); None = all.
             A version can be dropped only where the device holds it for every expert for good.
-        lo_kernel: how lo versions in the device's lo pool are computed at decode batch sizes:
-            "dequant" (dequantize to the compute dtype, then a bf16 matmul; any device), "triton"
-            (a grouped fused low-bit kernel over the packed rows; needs CUDA and triton), or "auto"
-            (the default: triton where it can run, else dequant; measured on the H200, triton is
-            3.6-18x faster per layer and 1.15-1.22x faster per decode step, BENCHMARKS.md).
+        lo_kernel: how the experts are computed: "dequant" (per expert, dequantize to the compute
+            dtype, then a matmul; any device), "triton" (the fused MoE kernel over the slot table,
+            compute/fused_moe.py, its Triton tiles for every pool; needs CUDA and triton), "cuda" (the
+            fused kernel, with packed int2 / int4 pools on the tensor-core kernels of
+            compute/lo_cuda.py where nvcc can build them for the device, else on the Triton tiles), or
+            "auto" (the default: "cuda" on CUDA where the experts are SiLU-gated, else dequant).
         decode_attention: how decode steps attend over the paged KV cache: "kernel" (a Triton kernel
             reads each row's blocks in place, engine/paged_attention.py; needs triton and, on the
             CPU, its interpreter), "gather" (the rows' blocks gathered, then transformers' SDPA), or

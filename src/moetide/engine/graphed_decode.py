@@ -39,8 +39,6 @@ that it computes what the eager path computes.
 
 from __future__ import annotations
 
-import os
-
 import logging
 from collections import Counter, OrderedDict
 
@@ -196,8 +194,7 @@ class GraphedDecoder:
         self.max_width = max_width
         # compiled or not, decode steps may attend from the pools in place: the attention kernel is
         # an operator dynamo does not trace (`paged_attention.paged_decode_attention_op`)
-        # (MOETIDE_COMPILED_GATHER=1 keeps a compiled step on the gather: an A/B switch for the benchmarks)
-        self.in_place = not (compile_step and os.environ.get("MOETIDE_COMPILED_GATHER") == "1")
+        self.in_place = True
         self.modules = list(model.modules())  # the tree is fixed once the runtime is assembled
         self.hooks_at_start = count_forward_hooks(self.modules)
         self.states: OrderedDict[tuple[int, int], PagedDecodeState] = OrderedDict()

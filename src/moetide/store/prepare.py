@@ -40,7 +40,7 @@ def default_cache_dir(checkpoint: Path) -> Path:
     if os.access(checkpoint, os.W_OK):
         return local
     digest = hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:16]
-    return Path(os.environ.get("MOETIDE_CACHE", Path.home() / ".cache" / "moetide")) / digest
+    return Path.home() / ".cache" / "moetide" / digest
 
 
 def cache_key(checkpoint: Path, precision: str, values_dtype: torch.dtype) -> str:

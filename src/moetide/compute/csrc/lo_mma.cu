@@ -221,7 +221,7 @@ struct LaunchOne {
 }  // namespace
 
 // matrices 2: gate_up, 1: down; nt n8 token tiles (>= block_m / 8); wk warps along K (1, 2, 4) and wn
-// along N (wk * wn 4, or 8 where nt > 1); dependent: down as a programmatic dependent launch of the
+// along N (wk * wn 4); dependent: down as a programmatic dependent launch of the
 // kernel before it (sm_90+); tokens_as_rows: the main loop of `tokens_as_rows` (nt 2 or 4), else
 // `weights_as_rows`. Returns the launch's cudaError_t (0: launched).
 extern "C" int moetide_lo_mma(const LoArgs* args, int matrices, int bits, int nt, int wk, int wn,
