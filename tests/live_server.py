@@ -49,7 +49,12 @@ class LiveServer:
 
 
 def start_server(
-    checkpoint, *, max_num_seqs: int, max_queue: int, runner_hook=None, model_name: str = MODEL,
+    checkpoint,
+    *,
+    max_num_seqs: int,
+    max_queue: int,
+    runner_hook=None,
+    model_name: str = MODEL,
     step_log: str | None = None,
 ) -> LiveServer:
     """An engine on `checkpoint` (CPU) and a front end that starts and stops its thread."""

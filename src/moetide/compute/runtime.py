@@ -47,7 +47,9 @@ def check_lo_kernel(kind: str, device: torch.device) -> None:
     if kind not in ("triton", "cuda"):
         return  # "auto" falls back to the reference where triton cannot run
     if importlib.util.find_spec("triton") is None:
-        raise ConfigError(f"--lo-kernel {kind} needs the triton package; install it or use --lo-kernel dequant")
+        raise ConfigError(
+            f"--lo-kernel {kind} needs the triton package; install it or use --lo-kernel dequant"
+        )
     interpreted = kind == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpreted:
         raise ConfigError(f"--lo-kernel {kind} needs a CUDA device, got {device}; use --lo-kernel dequant")
@@ -69,7 +71,9 @@ class ExpertRuntime:
         self.top_k = top_k
         self.iteration = 0
         self.fused = None  # the fused Triton module (`compute.fused_moe`) when it computes the experts
-        self.cuda_kernels = True  # the fused kernel may run packed pools on `lo_cuda` (not --lo-kernel triton)
+        self.cuda_kernels = (
+            True  # the fused kernel may run packed pools on `lo_cuda` (not --lo-kernel triton)
+        )
         self.observations: StepObservations | None = None  # set by `engine.assemble`
         self.observing = False  # a policy reads the steps: PolicyHooks records every layer's routing
         self.step_observers: list = []  # observer(StepRecord), called one step late (PolicyHooks)

@@ -1,7 +1,7 @@
 """Decode steps as CUDA graphs, for batches whose experts need no host decisions.
 
 A decode step of a 1-7 B MoE on a large GPU is launch-bound: ~1000 kernel launches from Python
-keep the GPU busy a third of the step (run 9/10 profiles, BENCHMARKS.md). Where the expert path has
+keep the GPU busy a third of the step. Where the expert path has
 no host sync (no-offload: every expert hi-resident at a fixed slot; static-int4/int2 with the fused
 low-bit kernel; any policy whose misses run lo or zero-copy, its table written between steps), one
 step is captured once per (row bucket R, block-table width W) and replayed.

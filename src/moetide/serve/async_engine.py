@@ -33,6 +33,7 @@ from .metrics import ServerMetrics
 
 log = logging.getLogger("moetide.serve")
 
+
 class QueueFullError(MoetideError):
     """`max_queue` requests are already waiting; try again later (HTTP 429)."""
 

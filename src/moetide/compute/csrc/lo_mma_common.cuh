@@ -105,8 +105,8 @@ __device__ __forceinline__ void wait_for_the_grid_before() {
 }
 
 // (shifted & mask) | magic. The compiler emits that as two LOP3s (an instruction takes one immediate);
-// int2 has it as one, with both constants in registers (3-5 % faster per int2 layer on the H200;
-// int4 was 3-4 % slower that way up to 32 tokens, BENCHMARKS.md §0p).
+// int2 has it as one, with both constants in registers (faster for int2 rows; int4 keeps the two
+// LOP3s, faster there).
 template <int BITS>
 __device__ __forceinline__ uint32_t pair_codes(uint32_t shifted, uint32_t mask) {
     if constexpr (BITS == 2) {
