@@ -6,7 +6,7 @@ as a real safetensors checkpoint).
 
     python scripts/bench_decode_step.py --out out/decode_step.json [--batch-sizes 1,32] \
         [--policies no-offload,static-int4,static-int2,combined,lru] [--budget 4GiB] [--hf default,static] \
-        [--compile off,auto] [--decode-ahead auto,off] [--env default,MOETIDE_FUSED_ROUTER=0+MOETIDE_COMPILED_GATHER=1]
+        [--compile off,auto] [--decode-ahead auto,off] [--lo-kernel auto,triton]
 
 Decode tok/s of a batch = generated tokens after each sequence's first / wall time of the steps
 after the prefill (a warm-up of the same shape runs first, untimed). Each moetide run also reports
@@ -16,10 +16,8 @@ after the prefill (a warm-up of the same shape runs first, untimed). Each moetid
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,23 +33,6 @@ from moetide.policies.registry import policy_spec
 def prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=g).tolist()
-
-
-@contextlib.contextmanager
-def environment(setting: str):
-    """`setting`: "default" (nothing set) or NAME=VALUE pairs joined by '+', set for the block (the
-    engine's A/B switches are read when a model loads)."""
-    pairs = [] if setting == "default" else [p.split("=", 1) for p in setting.split("+")]
-    saved = {name: os.environ.get(name) for name, _ in pairs}
-    os.environ.update(dict(pairs))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
@@ -81,13 +62,14 @@ def timed_generate(llm, batch: list[list[int]], new_tokens: int) -> dict:
 
 
 def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, compile_mode="off",
-                  cache_dir=None, in_step=True, decode_attention="auto", decode_ahead="auto") -> list[dict]:  # fmt: skip
+                  cache_dir=None, in_step=True, decode_attention="auto", decode_ahead="auto", lo_kernel="auto") -> list[dict]:  # fmt: skip
     free_device()
     t0 = time.perf_counter()
     extra = {} if in_step else {"layer_feed": False}
     llm = moetide.LLM(str(path), policy=policy, gpu_memory=budget, max_num_seqs=max(batch_sizes),
                       max_model_len=max(prefill_len + 8, 256), compile=compile_mode, cache_dir=cache_dir,
-                      decode_attention=decode_attention, decode_ahead=decode_ahead, **extra)  # fmt: skip
+                      decode_attention=decode_attention, decode_ahead=decode_ahead, lo_kernel=lo_kernel,
+                      **extra)  # fmt: skip
     load_s = time.perf_counter() - t0
     vocab = llm.loaded.config.vocab_size
     rows = []
@@ -108,7 +90,7 @@ def bench_moetide(path, policy, budget, batch_sizes, new_tokens, prefill_len, co
                      "decode_ahead": decode_ahead, "ahead_steps": llm.engine.ahead_steps,
                      "decode_kernel": llm.engine.runner.kv.decode_kernel, "fused_routers": llm.loaded.fused_routers,
                      "fused_qkv": llm.loaded.fused_qkv,
-                     "env": ",".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MOETIDE_")), "in_step": feed is not None, "host_syncs": llm.metrics.host_syncs,
+                     "lo_kernel": lo_kernel, "in_step": feed is not None, "host_syncs": llm.metrics.host_syncs,
                      **r, **residency, "graphs": graphs, "layer_feed": feed.stats() if feed else None})  # fmt: skip
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "graphs"}),
               "graph failure:" if graphs and graphs.get("failed") else "", (graphs or {}).get("failed") or "",
@@ -172,8 +154,8 @@ def main() -> int:
     ap.add_argument("--hf", default="static", help="comma-separated transformers baselines: default,static")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--cache-dir", default=None, help="where lo versions are cached between loads (prepare's)")
-    ap.add_argument("--env", default="default",
-                    help="comma-separated settings, each 'default' or NAME=VALUE pairs joined by '+': each policy once per setting")  # fmt: skip
+    ap.add_argument("--lo-kernel", default="auto",
+                    help="comma-separated of auto,cuda,triton,dequant: each policy once per setting")  # fmt: skip
     args = ap.parse_args()
     ckpt = Path(args.checkpoint) / args.shape
     if not (ckpt / "model.safetensors.index.json").is_file():
@@ -188,18 +170,17 @@ def main() -> int:
         policy, _, own_budget = spec.partition("@")  # static-int4@6GiB: this policy's own budget
         # a policy that offloads nothing runs uncapped (the whole model on the GPU)
         budget = None if policy_spec(policy).memory_mode == "all-hi" else own_budget or args.budget
-        axes = itertools.product(args.env.split(","), args.compile.split(","), args.decode_attention.split(","),
+        axes = itertools.product(args.lo_kernel.split(","), args.compile.split(","), args.decode_attention.split(","),
                                  args.decode_ahead.split(","))  # fmt: skip
-        for setting, compile_mode, attention, ahead in axes:
+        for lo_kernel, compile_mode, attention, ahead in axes:
             try:
-                with environment(setting):
-                    rows = bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill,
-                                         compile_mode, args.cache_dir, in_step=not late,
-                                         decode_attention=attention, decode_ahead=ahead)  # fmt: skip
-                report["runs"] += [{**row, "env": setting} for row in rows]
+                rows = bench_moetide(ckpt, policy, budget, batch_sizes, args.new_tokens, args.prefill,
+                                     compile_mode, args.cache_dir, in_step=not late,
+                                     decode_attention=attention, decode_ahead=ahead, lo_kernel=lo_kernel)  # fmt: skip
+                report["runs"] += rows
             except Exception as e:
                 report["runs"].append({"engine": "moetide", "policy": policy, "compile": compile_mode,
-                                       "decode_attention": attention, "decode_ahead": ahead, "env": setting,
+                                       "decode_attention": attention, "decode_ahead": ahead, "lo_kernel": lo_kernel,
                                        "error": f"{type(e).__name__}: {e}"[:500]})  # fmt: skip
                 print(report["runs"][-1], flush=True)
             out.write_text(json.dumps(report, indent=1))

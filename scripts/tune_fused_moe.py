@@ -3,7 +3,7 @@
 HBM roofline, and tune its tiles (`--tune`): writes the timings JSON and, with `--write-table`, the
 committed tile table `src/moetide/compute/fused_moe_configs.json`.
 
-    python scripts/tune_fused_moe.py --out out/fused.json [--variants v1,v2,v2i,v3] [--tune --tune-seconds 60]
+    python scripts/tune_fused_moe.py --out out/fused.json [--variants v1,v3,v4,v5] [--tune --tune-seconds 60]
         [--formats int4,int2,int2+int4,bfloat16] [--tokens 1,8,32,128] [--shape olmoe-1b-7b] [--write-table]
 
 `--variants`: the packed tile products of `fused_moe.PACKED_TILES`, each timed with the table's tiles
@@ -216,14 +216,14 @@ def main() -> int:
     ap.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
     ap.add_argument("--formats", default="int4,int2,int2+int4,bfloat16", help="PoolFormat names")
     ap.add_argument("--tokens", default="1,8,32,128")
-    ap.add_argument("--variants", default="v1,v2,v2i,v3", help=f"tile products: {sorted(fm.PACKED_TILES)}")
+    ap.add_argument("--variants", default="v1,v3", help=f"tile products: {sorted(fm.PACKED_TILES)}")
     ap.add_argument("--max-err", type=float, default=2e-2, help="relative error to v1 allowed (bf16)")
     ap.add_argument("--tune", action="store_true", help="sweep tiles per (variant, format, T)")
     ap.add_argument("--tune-seconds", type=float, default=60, help="all tuning together stops after this")
     ap.add_argument("--one-launch-only", action="store_true",
                     help="tune only the one-launch path's tiles (`KernelConfig.split_i`) against the table's entry")
     ap.add_argument("--write-table", action="store_true", help="write fused_moe_configs.json next to --out")
-    ap.add_argument("--table-variant", default=fm.PACKED_TILE or "v1",
+    ap.add_argument("--table-variant", default="v1",
                     help="whose best tiles --write-table writes, with that tile product; best: per cell, "
                          "the fastest of the variants tuned and the table's own entry")  # fmt: skip
     workers = min(8, (os.cpu_count() or 2) // 2) if DEVICE == "cuda" else 0

@@ -49,7 +49,13 @@ class LiveServer:
 
 
 def start_server(
-    checkpoint, *, max_num_seqs: int, max_queue: int, runner_hook=None, model_name: str = MODEL
+    checkpoint,
+    *,
+    max_num_seqs: int,
+    max_queue: int,
+    runner_hook=None,
+    model_name: str = MODEL,
+    step_log: str | None = None,
 ) -> LiveServer:
     """An engine on `checkpoint` (CPU) and a front end that starts and stops its thread."""
     loaded, engine, tokenizer = build_engine(
@@ -57,7 +63,9 @@ def start_server(
     )
     if runner_hook is not None:
         runner_hook(engine)
-    async_engine = AsyncEngine(engine, loaded=loaded, max_queue=max_queue, expert_metrics_interval_s=0.05)
+    async_engine = AsyncEngine(
+        engine, loaded=loaded, max_queue=max_queue, expert_metrics_interval_s=0.05, step_log=step_log
+    )
     return start_frontend(async_engine, tokenizer, lifespan="on", model_name=model_name)
 
 

@@ -135,7 +135,7 @@ def test_fused_kernel_matches_reference_bf16(tiny_checkpoints, policy, monkeypat
     got, calls = run_both_kernels(kernel, monkeypatch, path, ids, 16, device="cuda", dtype="bfloat16",
                                      policy=policy, gpu_memory=budget, on_miss="lo")  # fmt: skip
     assert calls, "the fused kernel never ran"
-    (ref_logits, ref_tokens, lo_runs), (logits, tokens, _) = got["dequant"], got["triton"]
+    (ref_logits, ref_tokens, lo_runs), (logits, tokens, _) = got["dequant"], got["fused"]
     assert policy != "combined" or lo_runs > 0
     assert _rel(logits, ref_logits) < 3e-2
     agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))

@@ -67,12 +67,11 @@ def test_a_projection_of_another_input_computes_its_own_product():
     torch.testing.assert_close(attn(hidden_states=x, scale=0.5), want, rtol=1e-6, atol=1e-6)
 
 
-def test_mismatched_projections_are_left_alone(monkeypatch):
+def test_mismatched_projections_are_left_alone():
     attn = Attention()
     attn.k_proj = nn.Linear(32, 16, bias=True)  # a bias on one projection only
     assert fuse_qkv(attn) == 0
-    monkeypatch.setenv("MOETIDE_FUSED_QKV", "0")  # the A/B switch
-    assert fuse_qkv(Attention()) == 0
+    assert fuse_qkv(Attention()) == 1
 
 
 def test_a_compiled_model_traces_the_fused_projections_whole():
@@ -100,20 +99,26 @@ def test_a_compiled_model_traces_the_fused_projections_whole():
 
 
 def test_the_demo_model_fuses_every_attention_and_gives_the_unfused_logits(monkeypatch):
+    """The engine fuses every attention's projections; the logits equal those of the same model
+    assembled without the fusion (`fuse_qkv` skipped)."""
     import moetide
+    from moetide.engine import assemble
     from moetide.engine.llm import demo_model_path
 
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    logits = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MOETIDE_FUSED_QKV", flag)
-        llm = moetide.LLM(demo_model_path(), policy="no-offload", dtype="float32")
+    logits, fused = {}, {}
+    for fuse in (False, True):
+        with monkeypatch.context() as patch:
+            if not fuse:
+                patch.setattr(assemble, "fuse_qkv", lambda model: 0)
+            llm = moetide.LLM(demo_model_path(), policy="no-offload", dtype="float32")
         with torch.no_grad():
-            logits[flag] = llm.loaded.model(ids).logits.float()
-        fused = llm.loaded.fused_qkv
+            logits[fuse] = llm.loaded.model(ids).logits.float()
+        fused[fuse] = llm.loaded.fused_qkv
+        layers = llm.loaded.config.num_hidden_layers
         llm.close()
-        assert fused == (0 if flag == "0" else llm.loaded.config.num_hidden_layers)
-    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
+    assert fused == {False: 0, True: layers}
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

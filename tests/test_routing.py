@@ -150,8 +150,11 @@ def test_no_router_is_fused_on_cpu(tiny_checkpoints):
 @pytest.mark.parametrize("family", ["olmoe", "mixtral"])
 def test_fused_routers_on_cuda_give_the_tokens_of_the_routers_own_forward(tiny_checkpoints, family,
                                                                          monkeypatch):  # fmt: skip
-    """Every MoE block's router fused on CUDA; greedy tokens (CUDA graphs) equal those with
-    MOETIDE_FUSED_ROUTER=0, for a static policy and combined."""
+    """Every MoE block's router fused on CUDA; greedy tokens (CUDA graphs) equal those of the same model
+    assembled with the routers' own forward (`fuse_routers` skipped), for a static policy and combined."""
+    from moetide.engine import assemble
+
+    fuse_routers = assemble.fuse_routers
     path, _ = tiny_checkpoints[family]
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     params = moetide.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -159,7 +162,7 @@ def test_fused_routers_on_cuda_give_the_tokens_of_the_routers_own_forward(tiny_c
         budget = None if policy == "no-offload" else "64MiB"
         outs = {}
         for fused in (True, False):
-            monkeypatch.setenv("MOETIDE_FUSED_ROUTER", "1" if fused else "0")
+            monkeypatch.setattr(assemble, "fuse_routers", fuse_routers if fused else lambda *args: 0)
             llm = moetide.LLM(str(path), device="cuda", dtype="bfloat16", policy=policy, gpu_memory=budget)
             assert llm.loaded.fused_routers == (len(_routers(llm.loaded.model)) if fused else 0)
             outs[fused] = [o.token_ids for o in llm.generate(prompts, params)]

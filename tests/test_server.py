@@ -94,21 +94,18 @@ def still_serves(live: LiveServer) -> None:
     assert out.usage.completion_tokens == 2
 
 
-def test_the_step_log_records_each_engine_iteration(qwen3_checkpoint, tmp_path, monkeypatch):
-    """MOETIDE_STEP_LOG: a JSON line per engine-thread iteration, with the step's shape; a path that
-    cannot be written is refused at start with a one-line error."""
+def test_the_step_log_records_each_engine_iteration(qwen3_checkpoint, tmp_path):
+    """--step-log: a JSON line per engine-thread iteration, with the step's shape; a path that cannot
+    be written is refused at start with a one-line error."""
     from moetide.errors import ConfigError
-    from moetide.serve.async_engine import STEP_LOG_ENV
 
     log_path = tmp_path / "steps.jsonl"
-    monkeypatch.setenv(STEP_LOG_ENV, str(log_path))
-    live = start_server(qwen3_checkpoint, max_num_seqs=2, max_queue=4)
+    live = start_server(qwen3_checkpoint, max_num_seqs=2, max_queue=4, step_log=str(log_path))
     try:
         out = live.client().completions.create(model=MODEL, prompt="one two three", **greedy(3))
         assert out.usage.completion_tokens == 3
-        monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "missing" / "steps.jsonl"))
-        with pytest.raises(ConfigError, match="cannot write the step log"):
-            AsyncEngine(live.engine.engine)
+        with pytest.raises(ConfigError, match="^--step-log .*: cannot write the step log there"):
+            AsyncEngine(live.engine.engine, step_log=str(tmp_path / "missing" / "steps.jsonl"))
     finally:
         live.close()
     lines = [json.loads(x) for x in log_path.read_text().splitlines()]

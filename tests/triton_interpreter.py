@@ -150,24 +150,25 @@ def run_under_interpreter(folder: Path, timeout_s: float = 900) -> InterpreterRu
 
 def run_both_kernels(kernel, monkeypatch, path, ids: torch.Tensor, max_tokens: int, prompt=(5, 6, 7, 8),
                      **llm_kwargs):  # fmt: skip
-    """Load `path` once per kernel choice ("dequant": the per-expert reference, then "triton": the
-    fused kernel) with `llm_kwargs`, and for each run the forward of `ids` and a greedy generation of
-    `max_tokens` from `prompt`.
+    """Load `path` once per kernel choice ("dequant": the per-expert reference, then "fused": the fused
+    kernel, `--lo-kernel cuda` on CUDA and `triton` under the interpreter) with `llm_kwargs`, and for
+    each run the forward of `ids` and a greedy generation of `max_tokens` from `prompt`.
 
-    Returns `({lo_kernel: (logits float32, greedy token ids, lo_runs)}, calls)`, where `calls` lists one
-    entry per call of `kernel.fused_moe` (so a test can check the fused kernel really ran)."""
+    Returns `({"dequant" | "fused": (logits float32, greedy token ids, lo_runs)}, calls)`, where `calls`
+    lists one entry per call of `kernel.fused_moe` (so a test can check the fused kernel really ran)."""
     import moetide
 
     calls = []
     real = kernel.fused_moe
     monkeypatch.setattr(kernel, "fused_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     results = {}
-    for lo_kernel in ("dequant", "triton"):
+    fused = "cuda" if torch.cuda.is_available() else "triton"
+    for name, lo_kernel in (("dequant", "dequant"), ("fused", fused)):
         llm = moetide.LLM(path, lo_kernel=lo_kernel, **llm_kwargs)
         with torch.no_grad():
             logits = llm.loaded.model(ids).logits.float()
         params = moetide.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         tokens = llm.generate([list(prompt)], params)[0].token_ids
-        results[lo_kernel] = (logits, tokens, llm.metrics.snapshot()["lo_runs"])
+        results[name] = (logits, tokens, llm.metrics.snapshot()["lo_runs"])
         llm.close()
     return results, calls

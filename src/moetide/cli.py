@@ -159,8 +159,9 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
         "--lo-kernel",
         default="auto",
         choices=LO_KERNELS,
-        help="how experts are computed: the per-expert reference (dequant), the fused Triton kernel"
-        " (triton; CUDA), or auto (default: triton on CUDA, else dequant)",
+        help="how experts are computed: the per-expert reference (dequant), the fused kernel with its"
+        " Triton tiles only (triton; CUDA), the fused kernel with the tensor-core kernels for int2/int4"
+        " pools (cuda), or auto (default: cuda on CUDA, else dequant)",
     )
     p.add_argument(
         "--cuda-graphs",

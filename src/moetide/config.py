@@ -30,7 +30,7 @@ _UNITS = {
 
 POLICIES = POLICY_NAMES  # every --policy name, declared once in policies/registry.py
 PRECISIONS = tuple(FORMATS)  # the registry's names: store/formats.py
-LO_KERNELS = ("auto", "dequant", "triton")
+LO_KERNELS = ("auto", "cuda", "triton", "dequant")
 DECODE_ATTENTIONS = ("auto", "kernel", "gather")
 
 
@@ -62,8 +62,8 @@ def format_bytes(n: float) -> str:
 CUDA_GRAPHS = ("auto", "off")
 ON_MISS = ("auto", "lo", "zero-copy")  # see EngineConfig.on_miss
 # The server's floor under the derived KV reservation, per sequence of max_num_seqs: a chat turn (a
-# ~50-token ShareGPT prompt, 64 out) fills 8 blocks of 16. Measured on the H200 (OLMoE shape,
-# combined, 4 GiB, 64 streaming clients): 4,096 tokens of KV preempted 20 sequences, TTFT p90 9.2 s,
+# ~50-token ShareGPT prompt, 64 out) fills 8 blocks of 16. Measured (OLMoE shape, combined, 4 GiB,
+# 64 streaming clients): 4,096 tokens of KV preempted 20 sequences, TTFT p90 9.2 s,
 # 316 tok/s; 8,192 tokens none, 0.93 s, 1,252 tok/s.
 SERVE_KV_TOKENS_PER_SEQ = 128
 COMPILE_MODES = ("auto", "off")  # torch.compile of the captured decode step (engine/graphed_decode.py)
@@ -116,16 +116,17 @@ class EngineConfig:
             the bf16 layout, the same on every device). None (default): `split_ladder` decides.
         host_versions: expert versions kept in host memory after start-up ("hi", "lo"); None = all.
             A version can be dropped only where the device holds it for every expert for good.
-        lo_kernel: how lo versions in the device's lo pool are computed at decode batch sizes:
-            "dequant" (dequantize to the compute dtype, then a bf16 matmul; any device), "triton"
-            (a grouped fused low-bit kernel over the packed rows; needs CUDA and triton), or "auto"
-            (the default: triton where it can run, else dequant; measured on the H200, triton is
-            3.6-18x faster per layer and 1.15-1.22x faster per decode step, BENCHMARKS.md).
+        lo_kernel: how the experts are computed: "dequant" (per expert, dequantize to the compute
+            dtype, then a matmul; any device), "triton" (the fused MoE kernel over the slot table,
+            compute/fused_moe.py, its Triton tiles for every pool; needs CUDA and triton), "cuda" (the
+            fused kernel, with packed int2 / int4 pools on the tensor-core kernels of
+            compute/lo_cuda.py where nvcc can build them for the device, else on the Triton tiles), or
+            "auto" (the default: "cuda" on CUDA where the experts are SiLU-gated, else dequant).
         decode_attention: how decode steps attend over the paged KV cache: "kernel" (a Triton kernel
             reads each row's blocks in place, engine/paged_attention.py; needs triton and, on the
             CPU, its interpreter), "gather" (the rows' blocks gathered, then transformers' SDPA), or
             "auto" (the default: the kernel on CUDA where the model's attention allows it, else
-            gather; measured on the H200, 2-3x faster per layer at 32-64 rows of 512-2,048 tokens).
+            gather; the kernel measured 2-3x faster per layer at 32-64 rows of 512-2,048 tokens).
         cuda_graphs: "auto" (the default: on a CUDA device, decode steps whose experts need no host
             decision, i.e. no-offload, static-int4/int2 and uncapped runs whose experts all fit in hi,
             are captured once per batch shape and replayed; see engine/graphed_decode.py) or "off"
@@ -153,7 +154,7 @@ class EngineConfig:
             prefetch that has not landed) waits for that copy on the device (the MoE kernel spins on
             the slot's landed word, which the copy stream writes after the data) instead of running
             it from host memory or lo: a late prefetch becomes a hit with a stall. No host sync.
-            Off by default (H200 trace replay, FineMoE: hit rate 0.692 against 0.677, 28.8 against
+            Off by default (a trace replay with FineMoE: hit rate 0.692 against 0.677, 28.8 against
             30.1 tok/s).
         searcher: where FineMoE's map searcher runs (finemoe, combined): "process" (the default: its
             own process, fed through shared memory; the forward thread only copies observations

@@ -418,8 +418,8 @@ def bench_moetide(
 
     The timed request is preceded by an untimed one of `warmup_tokens` new tokens (default: as many
     as the timed one), so costs paid once per sequence length (the allocator's first blocks of each
-    KV size, first launches) fall outside the measurement: on the H200 a shorter warm-up left the
-    first configuration of a process 3x slower than the same configuration run again (run 7)."""
+    KV size, first launches) fall outside the measurement: a shorter warm-up left the first
+    configuration of a process 3x slower than the same configuration run again."""
     import moetide
 
     free_device()

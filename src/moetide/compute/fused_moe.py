@@ -11,75 +11,44 @@ H hidden, I expert intermediate.
 
 Stages (all on the device, no host sync; capturable in a CUDA graph for a fixed T):
   align     pairs sorted by expert into blocks of BLOCK_M rows, each block one expert, by one
-            launch of a program per expert (`align_pairs`, a counting sort after vLLM's
-            `moe_align_block_size`); at
-            BLOCK_M == 1 (GEMV tiles), and for any tiles at T <= GEMV_MAX_TOKENS, every pair is
-            its own block (its first row; h indexed by pair) and the kernels read the router's ids
-            as they are: no sort. Where the lo pool runs on the tensor-core kernels (`lo_cuda`) at a T
-            whose tiles have wider blocks than those take (prefill chunks), every pool's blocks are
+            program per expert (`align_pairs`, a counting sort). At BLOCK_M == 1 (GEMV tiles), and
+            for any tiles at T <= GEMV_MAX_TOKENS, every pair is its own block and the kernels read
+            the router's ids as they are. Where the lo pool runs on the tensor-core kernels
+            (`lo_cuda`) at a T whose tiles have wider blocks than those take, every pool's blocks are
             cut to `lo_cuda.WIDE_BLOCK_M` rows (`_layer_blocks`).
   gate_up   per pool, grid (blocks, cdiv(I, BLOCK_N)): h = silu(x @ Wg^T) * (x @ Wu^T) into a
             (padded pairs, I) scratch. Blocks whose expert lives in another pool exit at once.
   down      per pool, grid (blocks, cdiv(H, BLOCK_N)): y[pair] = w[pair] * (h @ Wd^T), float32.
   one launch  (GEMV tiles with `KernelConfig.split_i`, up to FUSED_MAX_TOKENS tokens) gate_up and
-            down in one launch per pool, grid (P, I / split_i): each program computes its pair's
-            slice of h and that slice's share of y, one float32 row per (pair, slice)
-            (`_fused_gemv_kernel`); the slices of every pool of a layer are the lead pool's.
+            down in one launch per pool, grid (P, I / split_i), one float32 row of y per (pair,
+            slice) (`_fused_gemv_kernel`); the slices of every pool of a layer are the lead pool's.
   reduce    out[t] = sum_j y[t * k + j] (and over the slices) in float32 over the pairs whose
-            expert has a version (y is never filled), cast to the activations' dtype, one kernel
-            (`_reduce_kernel`): deterministic, no atomics. A pool on the tensor-core kernels
-            (`lo_cuda`) beside one-launch pools stores each pair's whole sum in slice 0 of its rows,
-            and the reduce reads only that slice of its pairs (`ONE_SLICE`).
+            expert has a version, cast to the activations' dtype (`_reduce_kernel`): deterministic,
+            no atomics. A pool on the tensor-core kernels beside one-launch pools stores each pair's
+            whole sum in slice 0 of its rows (`ONE_SLICE`).
 
-Weights come straight from the pool rows: dense tiles are loaded as they are; packed int4/int2
-tiles are loaded as whole bytes and unpacked in registers (`(byte >> shift) & mask`, as in vLLM's
-gptq/awq kernel). A K-step of the loop (BLOCK_K) may span several groups of a packed matrix, its
-loads issued together; it is computed as products of SUB_K <= the group size (`k_tiles`), so each
-output column has one float16 scale s and offset o per product. Seven tile products, picked per
-(T bucket, format) by the tile table (`KernelConfig.packed_tile`), or for every call by
-MOETIDE_PACKED_TILE, or per call (`fused_moe(packed_tile=...)`); measured against each other on the
-H200 (`scripts/tune_fused_moe.py --variants`, BENCHMARKS.md §0d, §0f, §0h), the table picks each
-cell's fastest (`fused_moe_configs.json`); v2i was never clearly faster and stays for comparison
-only:
-  v1   every weight dequantized in float32 (c * s + o) and rounded to the activation dtype, each bit
-       field dotted with its strided slice of the activations, loaded from memory once per field
-       (`_tile_product`): the reference's rounding.
-  v2   s and o factored out of the dot, a . w = s (a . c) + o sum(a): the raw codes are converted
-       straight to the activation dtype (exact) and the row sums are taken once per K-tile; the
-       activation tile is loaded once per K-tile (for gate and up together), contiguously, and split
-       into its bit-field slices in registers (`_act_tile`, `_packed_product`).
-  v2i  as v2, but the codes are put back into K order in registers and dotted once with the whole
-       activation tile.
-  v3   as v2, but a code becomes a bf16 / fp16 operand without an int-to-float conversion (`_codes`:
-       its bits ORed into the mantissa of a power of two, which is then subtracted). On the H200
-       it beat v2 in 6 of 8 int4/int2 cells; with v1's tiles v1 still led for int4 at T = 1 to 32
-       and int2 at T = 8, with its own tiles v3 led at T = 32 (int4 261 against 293 us).
-  v4   as v3, two codes per mask and OR: int32 word loads, a field of two bytes set into the
-       mantissas of a bf16 / fp16 pair at once, the constant folded into the offset
-       (`_paired_product`); the table's for int2 at T = 8. bf16 / fp16 activations only (others v3).
-  v5   as v4, computing W_tile @ a^T (the unpacked codes as the MMA's first operand); the table's
-       for int2 at T = 32 and 128. At GEMV tiles v4 and v5 are v3.
-  v6   GEMV tiles: int32 words, each code set into the mantissa of 1.0 by one mask and OR (int2:
-       two codes per shift) and multiplied with its activation scaled to match, into partial sums
-       that are reduced once after the K loop (`_gemv_words`): no int-to-float conversion and no
-       reduction per K-step, whatever the activation dtype; the table's for int2 at T = 1 and 2 and
-       int4 at T = 2. Gate and up share one pass over the activations. Dot tiles: v5.
-  v7   GEMV tiles: v6's codes, but a whole K-step of several groups as one (BLOCK_N, groups, words)
-       tile, the group sums taken once per step (`_gemv_groups`); the table's for int4 at T = 1
-       (35.3 against v6's 39.7 µs a layer on the H200; int2 lost, 40.2 against 32.7: BENCHMARKS.md
-       §0l). Dot tiles: v5.
-v2 to v7 round no weight: their results differ from the reference (which rounds the dequantized
-weights to the activation dtype before its matmul) by that rounding, ~2^-9 relative per weight for
-bf16 activations, none for float32. The GEMV tiles (BLOCK_M 1) follow the same switch, in float32.
-gate_up and down each carry their own format, so one expert version may hold int2 gate_up with int4
-down. Mixed precision inside a layer costs one launch pair per pool over the same sorted blocks (the
-alternative, one launch with a per-block format, would compile every format pair into one kernel;
-see BENCHMARKS.md for the measurement).
-
-MOETIDE_PDL=1 (`PDL`) launches down and reduce as programmatic dependents of the launch before each
-(sm_90+): scheduled while it finishes, each waits on the device (`gdc_wait`) before reading its input.
-Off by default: on the H200 it saved 0.4-4.9 % of a layer in 13 of 15 cells (BENCHMARKS.md §0l),
-but decode tok/s did not follow (static-int2 at batch 1 lost 14 %).
+Weights come straight from the pool rows: dense tiles as they are; packed int4 / int2 tiles as whole
+bytes (or int32 words), unpacked in registers. A K-step (BLOCK_K) may span several groups of a packed
+matrix; it is computed as products of SUB_K <= the group size (`k_tiles`), one float16 scale s and
+offset o per output column and product. The tile product of packed matrices is the tile table's
+(`KernelConfig.packed_tile`, tuned per (T bucket, format) by `scripts/tune_fused_moe.py`) or the
+caller's (`fused_moe(packed_tile=...)`):
+  v1   weights dequantized in float32 (c * s + o), rounded to the activation dtype, each bit field
+       dotted with its strided slice of the activations (`_tile_product`): the reference's rounding.
+  v3   s and o factored out of the dot, a . w = s (a . c) + o sum(a); the codes become bf16 / fp16
+       operands by ORing them into a mantissa (`_codes`), the activation tile loaded once per K-step
+       and split into its bit-field slices in registers (`_packed_product`).
+  v4   as v3, two codes per mask and OR from int32 words (`_paired_product`); bf16 / fp16 only.
+  v5   as v4, computing W_tile @ a^T (the codes as the MMA's first operand). At GEMV tiles v4 and v5
+       are v3.
+  v6   GEMV tiles: each code set into the mantissa of 1.0 and multiplied with its activation scaled
+       to match, partial sums reduced once after the K loop (`_gemv_words`). Dot tiles: v5.
+  v7   GEMV tiles: v6's codes over a whole K-step of several groups as one tile (`_gemv_groups`).
+       Dot tiles: v5.
+v3 to v7 round no weight: their results differ from the reference by that rounding (~2^-9 relative
+per weight for bf16 activations, none for float32). gate_up and down each carry their own format, so
+one expert version may hold int2 gate_up with int4 down; mixed precision inside a layer costs one
+launch pair per pool over the same sorted blocks.
 
 Import this module only where triton is installed; on CPU it runs under Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported), which the tests use.
@@ -95,19 +64,20 @@ import torch
 import triton
 import triton.language as tl
 
-from . import lo_cuda
-from .fused_moe_config import FUSED_MAX_TOKENS, GEMV_MAX_TOKENS, MIN_SPLIT_I, KernelConfig, config_for, t_bucket
 from ..residency.slot_table import MatrixFormat, Pool, PoolFormat
+from . import lo_cuda
+from .fused_moe_config import (
+    FUSED_MAX_TOKENS,
+    GEMV_MAX_TOKENS,
+    MIN_SPLIT_I,
+    KernelConfig,
+    config_for,
+    t_bucket,
+)
 
-# The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix).
-PACKED_TILES = {"v1": 1, "v2": 2, "v2i": 3, "v3": 4, "v4": 5, "v5": 6, "v6": 7, "v7": 8}
-PACKED_TILE = os.environ.get("MOETIDE_PACKED_TILE") or None  # set: every call's, for A/B runs
-if PACKED_TILE is not None and PACKED_TILE not in PACKED_TILES:
-    raise ValueError(f"MOETIDE_PACKED_TILE must be one of {sorted(PACKED_TILES)}, got {PACKED_TILE!r}")
-# MOETIDE_PDL=1: the down and reduce launches use programmatic dependent launch on sm_90+ (each may be
-# scheduled while the launch before it finishes, and waits on the device before reading its input);
-# off by default: measured, the layer's gains did not reach decode (an A/B switch for the benchmarks)
-PDL = os.environ.get("MOETIDE_PDL") == "1"
+# The packed tile products (see above), name -> the kernels' PACKED constexpr (0: a dense matrix; the
+# kernels compare these numbers, e.g. PACKED >= 6 for v5 and later).
+PACKED_TILES = {"v1": 1, "v3": 4, "v4": 5, "v5": 6, "v6": 7, "v7": 8}
 _GDC = dict(USE_GDC=True, launch_pdl=True)  # a launch's arguments as a programmatic dependent
 
 
@@ -146,7 +116,7 @@ def _tile_product(
     so it is dotted with that strided slice of `a` (int4: two dots per tile, int2: four). The tile
     lies inside one group (GROUP % BLOCK_K == 0): one scale and offset per column. Dequantized
     weights are rounded to a's dtype before the dot, as the reference's weights are (packed tile
-    product v1; v2 and v2i: `_packed_product`)."""
+    product v1; v3: `_packed_product`)."""
     dtype = a_ptr.dtype.element_ty
     if BITS >= 8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -223,15 +193,13 @@ def _packed_product(
     DOT_PRECISION: tl.constexpr,
 ):
     """`_tile_product` of a packed W with the group's scale s and offset o factored out of the dot
-    (v2, v2i, v3): a (BLOCK_M, BLOCK_K) and a_sum its row sums (`_act_tile`); inside the tile's group
+    (v3): a (BLOCK_M, BLOCK_K) and a_sum its row sums (`_act_tile`); inside the tile's group
     w[k, n] = s[n] * c[k, n] + o[n], so a @ w = s * (a @ c) + o * sum(a).
 
-    The raw codes c are converted straight to a's dtype (0..15 are exact in bf16 / fp16 / fp32;
-    float32 for the GEMV tiles, which multiply in float32): per weight a shift, a mask and a
-    convert. INTERLEAVE (v2i): the codes are put back into K order in registers (byte j, field f ->
-    row j * per_byte + f) and dotted once with a. Else (v2): a is split into its per_byte strided
-    field slices in registers (field f of byte j multiplies element j * per_byte + f) and each is
-    dotted with its field of the bytes.
+    The codes c become operands of a's dtype without an int-to-float conversion (`_codes`; float32
+    for the GEMV tiles, which multiply in float32). a is split into its per_byte strided field slices
+    in registers (field f of byte j multiplies element j * per_byte + f) and each is dotted with its
+    field of the bytes.
 
     Numerics: the weights are never rounded (the reference rounds the dequantized weights to a's
     dtype before its matmul, as v1 does); a . c is exact products summed in float32, and the float16
@@ -239,34 +207,25 @@ def _packed_product(
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_K: tl.constexpr = BLOCK_K // PER_BYTE
     MASK: tl.constexpr = (1 << BITS) - 1
-    BLOCK_N: tl.constexpr = offs_n.shape[0]
-    INTERLEAVE: tl.constexpr = PACKED == 3
-    MAGIC: tl.constexpr = PACKED >= 4  # (v4 / v5 at GEMV tiles, whose codes are float32 anyway)
     packed, scale, offset, _offs_b, _b_mask = _packed_tile(
         data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off, offset_off, offs_n, n_mask, k0, K, BITS,
         GROUP, BLOCK_K)  # fmt: skip
-    # the interpreter converts int32 to bf16 wrongly (triton 3.9: the integer's bits, as a denormal);
-    # there the codes go to float32, as its dots widen to float32 anyway (`_WIDEN_DOT`), except v3's
-    # float16 (the interpreter's own bf16 arithmetic is wrong too, so v3's bf16 is checked on CUDA)
-    cdtype = a.dtype if BLOCK_M > 1 and (not _WIDEN_DOT or (MAGIC and a.dtype == tl.float16)) else tl.float32
-    if INTERLEAVE:
-        shifts = tl.arange(0, PER_BYTE) * BITS
-        codes = (packed[:, None, :] >> shifts[None, :, None]) & MASK  # (BYTES_K, PER_BYTE, N): [j, f, n]
-        dot = _mm(a, _codes(tl.reshape(codes, (BLOCK_K, BLOCK_N)), cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
-    else:
-        tl.static_assert(BITS == 4 or BITS == 2, "packed codes are int4 or int2")
-        if BITS == 4:  # element 2j + f is [j, f]
-            a0, a1 = tl.split(tl.reshape(a, (BLOCK_M, BYTES_K, 2)))
-            dot = _mm(a0, _codes(packed & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
-            dot += _mm(a1, _codes((packed >> 4) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
-        else:  # element 4j + 2p + q is [j, p, q]: field f = 2p + q
-            even, odd = tl.split(tl.reshape(a, (BLOCK_M, BYTES_K, 2, 2)))
-            a0, a2 = tl.split(even)
-            a1, a3 = tl.split(odd)
-            dot = _mm(a0, _codes(packed & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
-            dot += _mm(a1, _codes((packed >> 2) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
-            dot += _mm(a2, _codes((packed >> 4) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
-            dot += _mm(a3, _codes((packed >> 6) & MASK, cdtype, MAGIC), BLOCK_M, DOT_PRECISION)
+    # the interpreter's dots widen to float32 (`_WIDEN_DOT`) and its bf16 arithmetic is wrong: there the
+    # codes go to float32, except float16 ones (bf16 codes are checked on CUDA)
+    cdtype = a.dtype if BLOCK_M > 1 and (not _WIDEN_DOT or a.dtype == tl.float16) else tl.float32
+    tl.static_assert(BITS == 4 or BITS == 2, "packed codes are int4 or int2")
+    if BITS == 4:  # element 2j + f is [j, f]
+        a0, a1 = tl.split(tl.reshape(a, (BLOCK_M, BYTES_K, 2)))
+        dot = _mm(a0, _codes(packed & MASK, cdtype), BLOCK_M, DOT_PRECISION)
+        dot += _mm(a1, _codes((packed >> 4) & MASK, cdtype), BLOCK_M, DOT_PRECISION)
+    else:  # element 4j + 2p + q is [j, p, q]: field f = 2p + q
+        even, odd = tl.split(tl.reshape(a, (BLOCK_M, BYTES_K, 2, 2)))
+        a0, a2 = tl.split(even)
+        a1, a3 = tl.split(odd)
+        dot = _mm(a0, _codes(packed & MASK, cdtype), BLOCK_M, DOT_PRECISION)
+        dot += _mm(a1, _codes((packed >> 2) & MASK, cdtype), BLOCK_M, DOT_PRECISION)
+        dot += _mm(a2, _codes((packed >> 4) & MASK, cdtype), BLOCK_M, DOT_PRECISION)
+        dot += _mm(a3, _codes((packed >> 6) & MASK, cdtype), BLOCK_M, DOT_PRECISION)
     return dot * scale[None, :] + a_sum * offset[None, :]
 
 
@@ -385,7 +344,7 @@ def _gemv_groups(a_ptr, a_rows, stride_a, a_mask, word_ptr, param_ptr, row, row_
     holds. The group sums then take each row's scales and offsets (BLOCK_N, G) and are summed over
     the step."""
     WORD: tl.constexpr = 32 // BITS
-    SPAN: tl.constexpr = GROUP if GROUP < STEP_K else STEP_K  # codes of one group inside the step
+    SPAN: tl.constexpr = min(STEP_K, GROUP)  # codes of one group inside the step
     G: tl.constexpr = STEP_K // SPAN
     WPG: tl.constexpr = SPAN // WORD
     groups = tl.arange(0, G)
@@ -490,16 +449,16 @@ def _finish(acc, SWAP: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _codes(fields, cdtype: tl.constexpr, MAGIC: tl.constexpr):
-    """Unsigned codes (int32, 0..15) -> `cdtype`, exactly. MAGIC (v3), for bf16 / fp16: no int-to-float
-    conversion, whose throughput on sm_90 is a quarter of an integer op's: OR the code into the
-    mantissa of 128 (bf16: 0x4300 | c is 128 + c, its step there being 1; fp16: 0x6400 | c is
-    1024 + c; float32, the GEMV tiles': 2^23), reinterpret the bits, subtract the constant (exact)."""
-    if MAGIC and cdtype == tl.bfloat16:
+def _codes(fields, cdtype: tl.constexpr):
+    """Unsigned codes (int32, 0..15) -> `cdtype`, exactly, with no int-to-float conversion (a quarter
+    of an integer op's throughput on sm_90): OR the code into the mantissa of 128 (bf16: 0x4300 | c
+    is 128 + c, its step there being 1; fp16: 0x6400 | c is 1024 + c; float32, the GEMV tiles':
+    2^23), reinterpret the bits, subtract the constant (exact)."""
+    if cdtype == tl.bfloat16:
         return ((fields | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0).to(tl.bfloat16)
-    elif MAGIC and cdtype == tl.float16:
+    elif cdtype == tl.float16:
         return ((fields | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
-    elif MAGIC and cdtype == tl.float32:  # the GEMV tiles' codes: 0x4B000000 | c is 2^23 + c
+    elif cdtype == tl.float32:  # the GEMV tiles' codes: 0x4B000000 | c is 2^23 + c
         return (fields | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     else:
         return fields.to(cdtype)
@@ -586,7 +545,7 @@ def _k_tile_products(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, 
             second = _paired_product(a_ptr, a_rows, stride_a, a_mask, data_ptr, param_ptr, row, row_data,
                                      row_param, data_off, scale_off, offset_off, offs_n + second_n, n_mask, k0, K,
                                      BITS, GROUP, BLOCK_M, SUB_K, PACKED >= 6, DOT_PRECISION)  # fmt: skip
-    elif BITS < 8 and PACKED > 1:  # v2 / v2i / v3: one activation tile and its row sums for both
+    elif BITS < 8 and PACKED > 1:  # v3: one activation tile and its row sums for both
         a, a_sum = _act_tile(a_ptr, a_rows, stride_a, a_mask, k0, K, SUB_K)
         first = _packed_product(a, a_sum, data_ptr, param_ptr, row, row_data, row_param, data_off, scale_off,
                                 offset_off, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_M, SUB_K, PACKED,
@@ -642,13 +601,10 @@ def _gate_up_kernel(
     WAIT: tl.constexpr,
     ONE_PAIR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
 ):
     """h[scratch row] (BLOCK_N columns) = silu(x[token] @ Wg^T) * (x[token] @ Wu^T). The K loop takes
     BLOCK_K per step (several groups of a packed W: their loads issued together), as SUB_K-wide
-    products (one group each). USE_GDC: the down launch after it may be scheduled at once (`PDL`)."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+    products (one group each)."""
     runs, row, h_rows, pair, m_mask = _block_rows(
         block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
         wait_ptr, landed_ptr, BLOCK_M, WAIT, ONE_PAIR
@@ -709,18 +665,13 @@ def _down_kernel(
     WAIT: tl.constexpr,
     ONE_PAIR: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
 ):
     """y[pair] (BLOCK_N columns) = routing[pair] * (h[scratch row] @ Wd^T), float32; K loop as in
-    `_gate_up_kernel`. USE_GDC (launched as a programmatic dependent of the gate_up launch): h is read
-    only after the gate_up launch has finished (`gdc_wait`)."""
+    `_gate_up_kernel`."""
     runs, row, h_rows, pair, m_mask = _block_rows(
         block_expert_ptr, pool_of_ptr, slot_of_ptr, slot_stride, sorted_pair_ptr, num_pairs, POOL_ID,
         wait_ptr, landed_ptr, BLOCK_M, WAIT, ONE_PAIR
     )
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if runs:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < HIDDEN
@@ -784,7 +735,6 @@ def _fused_gemv_kernel(  # long: one program's GEMV, SiLU-mul and down slice sha
     BLOCK_N: tl.constexpr,
     WAIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
 ):
     """The one-launch path (GEMV tiles): grid (P, I / BLOCK_I), program (pair p, slice s) of columns
     i = s * BLOCK_I .. + BLOCK_I. h[p, i] = silu(x[token] @ Wg[i]^T) * (x[token] @ Wu[i]^T) (stored in
@@ -792,8 +742,6 @@ def _fused_gemv_kernel(  # long: one program's GEMV, SiLU-mul and down slice sha
     y[p * S + s] = routing[p] * (h[p, i] @ Wd[:, i]^T), float32 (H,), in BLOCK_N-wide chunks; S = I /
     BLOCK_I partial sums per pair, summed by the reduce. Each weight is read once per pair, as in the
     two-launch path; the down launch, its gap and its re-read of h go."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
     runs, row, h_rows, pair, m_mask = _block_rows(
         ids_ptr, pool_of_ptr, slot_of_ptr, slot_stride, ids_ptr, num_pairs, POOL_ID, wait_ptr, landed_ptr, 1, WAIT,
         True,
@@ -1027,19 +975,19 @@ INTERPRETER_TILE = 256  # the least block_n and block_k of the table's tiles und
 LO_POOL_ID = 1  # `ResidencyManager.pool_ids["lo"]`: in a mixed layer, the pool that runs most pairs
 
 
-def pool_configs(num_tokens: int, pools: list[Pool | None], config=None) -> list:
+def pool_configs(num_tokens: int, pools: list[Pool | None], config=None, mixed_cells: bool = True) -> list:
     """The tiles of each pool's launches (None where a pool is None). `config`: one `KernelConfig` for
     every pool, or one per pool (the tuners, tests); else each pool's own format's from the table,
     since bf16 hi slots and int2 lo rows want different tiles and tile products (per-tensor
     precision), and a pool beside the lo pool in a mixed layer its cell for that (`config_for`'s
     `beside`: it runs a few hot experts' pairs). They share block_m, for one alignment of the pairs
     serves every pool: the lo pool's where there is one, else the first pool's; block_m 1 for all
-    where a pool's groups are too small for tl.dot tiles."""
+    where a pool's groups are too small for tl.dot tiles. `mixed_cells` False: every pool its format's
+    own cell (the tuners' baseline for the `@<lo>` cells)."""
     formats = tuple(pool.format if pool is not None else None for pool in pools)
     if isinstance(config, list):
         config = tuple(config)
-    mixed_cells = os.environ.get("MOETIDE_MIXED_TILES") != "0"  # 0: the format's own cell (A/B runs)
-    one_launch = os.environ.get("MOETIDE_ONE_LAUNCH") != "0" and num_tokens <= FUSED_MAX_TOKENS
+    one_launch = num_tokens <= FUSED_MAX_TOKENS
     return list(_pool_configs(t_bucket(num_tokens), formats, config, mixed_cells, one_launch))
 
 
@@ -1089,13 +1037,15 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
     config=None,
     packed_tile: str | None = None,
     waits: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    cuda_kernels: bool = True,
 ) -> torch.Tensor:
     """Routed experts of one layer from the pools' rows through the slot table: `(T, H)`.
 
     `pools[i]` is pool id i (None: a pool without slots). Experts whose `pool_of` is -1 contribute
     nothing. No host sync. `config`: tiles for every pool, or per pool (`pool_configs`); None = the
-    table's. `packed_tile`: the packed tile product (`PACKED_TILES`); None = the one
-    MOETIDE_PACKED_TILE names, else the tile table's (`KernelConfig.packed_tile`). `waits`
+    table's. `packed_tile`: the packed tile product (`PACKED_TILES`); None = the tile table's
+    (`KernelConfig.packed_tile`). `cuda_kernels` False: packed pools stay on the Triton tiles, never
+    on the tensor-core kernels of `lo_cuda` (`--lo-kernel triton`). `waits`
     (`wait_of` (E,), `landed` (slots,) int32, pool id): an expert in that pool whose `wait_of` is not
     0 is read once `landed[slot] == wait_of` (a copy in flight; `ResidencyManager.step_waits`).
     """
@@ -1109,7 +1059,7 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
     if fmt.hidden_size != hidden_size:
         raise ValueError(f"hidden {tuple(hidden.shape)} does not fit the pools' H={fmt.hidden_size}")
     configs, block_m, one_pair, on_cuda = _layer_blocks(num_tokens, pools, hidden, topk_weights.dtype, config,
-                                                        packed_tile)  # fmt: skip
+                                                        packed_tile, cuda_kernels)  # fmt: skip
     rows_per_block = 1 if one_pair else block_m
     # > 0: one launch per Triton pool; the CUDA pools write their sums into slice 0 of their pairs' rows
     triton_pools = any(pool is not None and not cuda for pool, cuda in zip(pools, on_cuda, strict=True))
@@ -1139,14 +1089,13 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
         wait_ptr=waits[0] if waits is not None else pool_of,  # (unread when WAIT is -1)
         landed_ptr=waits[1] if waits is not None else pool_of,
     )
-    pdl = _GDC if _pdl_launches(hidden.device) else {}
     dependent = any(on_cuda) and lo_cuda.dependent_launches(hidden.device)  # CUDA down after its gate_up
     pair_rows = y.view(num_pairs, slices * hidden_size)  # a CUDA pool's sums: slice 0 of each pair's rows
     for pool_id, pool in enumerate(pools):
         if pool is None:  # a pool without slots (no expert can point there)
             continue
         f, config = pool.format, configs[pool_id]
-        tile = packed_tile or PACKED_TILE or config.packed_tile
+        tile = packed_tile or config.packed_tile
         common["WAIT"] = pool_id if waits is not None and pool_id == waits[2] else -1  # only its pool waits
         if on_cuda[pool_id]:  # the tensor-core kernels (`lo_cuda`): the same blocks, h and y
             lo_waits = waits[:2] if common["WAIT"] >= 0 else None
@@ -1160,21 +1109,21 @@ def fused_moe(  # long: every pool's launches share the layer's blocks, scratch 
                           routing_ptr=routing, ids_ptr=flat_ids, pool_of_ptr=pool_of, slot_of_ptr=slot_of,
                           slot_stride=common["slot_stride"], wait_ptr=common["wait_ptr"],
                           landed_ptr=common["landed_ptr"], TOP_K=top_k, HIDDEN=hidden_size, INTER=inter,
-                          WAIT=common["WAIT"], DOT_PRECISION=dot_precision, USE_GDC=bool(pdl))  # fmt: skip
+                          WAIT=common["WAIT"], DOT_PRECISION=dot_precision)  # fmt: skip
             continue
         _launch_matrix(_gate_up_kernel, (blocks, triton.cdiv(inter, config.block_n)), pool, pool_id,
                        f.gate_up, hidden_size, config, tile, x_ptr=hidden, stride_x=hidden.stride(0), h_ptr=h,
-                       TOP_K=top_k, USE_GDC=bool(pdl), **common)  # fmt: skip
+                       TOP_K=top_k, **common)  # fmt: skip
         _launch_matrix(_down_kernel, (blocks, triton.cdiv(hidden_size, config.block_n)), pool, pool_id,
                        f.down, inter, config, tile, h_ptr=h, y_ptr=y, routing_ptr=routing,
-                       **pdl, **common)  # fmt: skip
+                       **common)  # fmt: skip
     last = max(i for i, pool in enumerate(pools) if pool is not None)
-    reduce_pdl = _GDC if dependent and on_cuda[last] else pdl  # a dependent of the CUDA down too
+    reduce_pdl = _GDC if dependent and on_cuda[last] else {}  # a dependent of the CUDA down
     return _reduce(y, hidden, flat_ids, pool_of, top_k, slices, reduce_pdl, one_slice)
 
 
 def _layer_blocks(num_tokens: int, pools: list, hidden: torch.Tensor, routing_dtype: torch.dtype, config,
-                  packed_tile: str | None) -> tuple[list, int, bool, list[bool]]:  # fmt: skip
+                  packed_tile: str | None, cuda_kernels: bool = True) -> tuple[list, int, bool, list[bool]]:  # fmt: skip
     """(configs, block_m, one_pair, on_cuda): every pool's tiles (`pool_configs`), their shared rows per
     sorted block, whether each pair is its own block (no sort), and which pools run on the tensor-core
     kernels (`_cuda_pools`). Where the table's blocks have more rows than those kernels take (64 at
@@ -1183,7 +1132,7 @@ def _layer_blocks(num_tokens: int, pools: list, hidden: torch.Tensor, routing_dt
     block_m = next(c for c in configs if c is not None).block_m
     one_pair = block_m == 1 or num_tokens <= GEMV_MAX_TOKENS  # each pair its own block: no sort
     rows = 1 if one_pair else block_m if block_m in lo_cuda.BLOCK_MS else lo_cuda.WIDE_BLOCK_M
-    on_cuda = _cuda_pools(pools, hidden, rows, routing_dtype, config, packed_tile)
+    on_cuda = _cuda_pools(pools, hidden, rows, routing_dtype, config, packed_tile, cuda_kernels)
     if any(on_cuda) and not one_pair and rows != block_m:  # the kernels' blocks for every pool
         block_m = rows
         configs = [replace(c, block_m=block_m) if c is not None else None for c in configs]
@@ -1191,10 +1140,10 @@ def _layer_blocks(num_tokens: int, pools: list, hidden: torch.Tensor, routing_dt
 
 
 def _cuda_pools(pools: list, hidden: torch.Tensor, rows_per_block: int, routing_dtype: torch.dtype, config,
-                packed_tile: str | None) -> list[bool]:  # fmt: skip
+                packed_tile: str | None, cuda_kernels: bool = True) -> list[bool]:  # fmt: skip
     """Per pool, whether it runs on the tensor-core kernels (`lo_cuda.eligible`): never where tiles or
-    a tile product are asked for (the tuners' and tests' Triton runs)."""
-    if config is not None or packed_tile is not None or PACKED_TILE is not None:
+    a tile product are asked for (the tuners' and tests' Triton runs), nor without `cuda_kernels`."""
+    if not cuda_kernels or config is not None or packed_tile is not None:
         return [False] * len(pools)
     return [pool is not None and lo_cuda.eligible(pool, hidden, rows_per_block, routing_dtype) for pool in pools]
 
@@ -1222,10 +1171,3 @@ def _reduce(y, hidden, flat_ids, pool_of, top_k: int, slices: int, pdl: dict,
                                                                   ONE_SLICE=one_slice, **pdl)  # fmt: skip
     return out
 
-
-def _pdl_launches(device: torch.device) -> bool:
-    """Whether the down and reduce launches are programmatic dependents of the launch before them
-    (`PDL`, read per call): compiled kernels on sm_90 or later only."""
-    if not PDL or _WIDEN_DOT or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9

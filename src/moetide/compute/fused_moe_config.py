@@ -1,5 +1,5 @@
-"""Tile sizes of the fused MoE kernel: a small table per (T bucket, H, I, format), tuned once on the
-H200 (`scripts/tune_fused_moe.py`, `triton.testing.do_bench`) and committed as
+"""Tile sizes of the fused MoE kernel: a small table per (T bucket, H, I, format), tuned once on one
+GPU (the table's `note` names it; `scripts/tune_fused_moe.py`, `triton.testing.do_bench`) and committed as
 `fused_moe_configs.json`; a T bucket between two tuned ones takes the nearest tuned bucket's tiles
 (`nearest_bucket`), other buckets and shapes not in it get `default_config`.
 

@@ -1,4 +1,4 @@
-"""The lo pool's projections on tensor cores (`csrc/lo_mma.cu`, with what both kernel sources share in
+"""The lo pool's projections on tensor cores (`csrc/lo_mma.cu`, with its shared parts in
 `csrc/lo_mma_common.cuh`), built once with nvcc, called by ctypes.
 
 `fused_moe` sends a packed pool's gate_up and down launches here (`eligible`) instead of to its
@@ -9,18 +9,13 @@ the same sorted blocks, scratch h and per-pair y, so the reduce and every other 
 rows). From TOKENS_AS_ROWS_FROM tokens on, blocks of 16 or 32 rows take the kernel's other main loop
 (the tokens as the MMA's rows, `tokens_as_rows` in the source). The kernel reads the arena rows as
 they are; why that can use tensor cores is in the source's header. On sm_90 down runs as a
-programmatic dependent of gate_up and the reduce as one of down (`dependent_launches`;
-MOETIDE_LO_PDL=0 turns that off).
+programmatic dependent of gate_up and the reduce as one of down (`dependent_launches`).
 
-Built on first use for the device's architecture into the cache directory (MOETIDE_KERNEL_CACHE, else
-~/.cache/moetide/kernels), under a name that hashes the source, the architecture and nvcc's version;
-a build takes ~20 s and says so on stderr. MOETIDE_LO_SOURCE names another kernel source to build and
-run instead (A/B runs of two kernel versions in one process, read per call; `csrc/lo_mma_pipelined.cu`
-is such a candidate, BENCHMARKS.md §0q). Programs are 4 warps (`warp_grid`); MOETIDE_LO_PROGRAM_WARPS=8
-runs 8 on blocks of 16 or more rows (twice the rows per program; slower in every cell on an H100,
-BENCHMARKS.md §0r). Off (the Triton tiles everywhere) where there is no CUDA device of sm_80 or newer,
-no nvcc (PATH, CUDA_HOME), or MOETIDE_LO_CUDA=0; a failed build is reported once, in one line, and
-leaves the Triton path on.
+Built on first use for the device's architecture into ~/.cache/moetide/kernels (`cache_dir`), under a
+name that hashes the source, the architecture and nvcc's version; a build takes ~20 s and says so on
+stderr. Programs are 4 warps (`warp_grid`). Off (the Triton tiles everywhere) where there is no CUDA
+device of sm_80 or newer, no nvcc (PATH, CUDA_HOME), or `--lo-kernel triton` (`fused_moe`'s
+`cuda_kernels`); a failed build is reported once, in one line, and leaves the Triton path on.
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ from ..residency.slot_table import MatrixFormat, Pool
 
 SOURCE = Path(__file__).with_name("csrc") / "lo_mma.cu"
 MAX_TOKENS = 32  # up to this many tokens the kernels take an int4 pool, and above TILES_MAX_TOKENS; between,
-TILES_MAX_TOKENS = 128  # the Triton dot tiles (faster for int4 from 33 to 128 tokens: BENCHMARKS.md §0p)
+TILES_MAX_TOKENS = 128  # the Triton dot tiles (faster there for int4)
 GROUP_BITS = 256  # a group of a row is 8 int32 words (int2 in groups of 128, int4 in groups of 64)
 BLOCK_MS = (1, 8, 16, 32)  # sorted block sizes the kernel takes (8 * its n8 tiles)
 WIDE_BLOCK_M = 32  # the layer's blocks where the table's tiles have more rows than the kernel takes
@@ -84,16 +79,10 @@ class LoArgs(ctypes.Structure):
     ]
 
 
-def enabled() -> bool:
-    """MOETIDE_LO_CUDA=0 turns the CUDA kernels off (read per call: A/B runs in one process)."""
-    return os.environ.get("MOETIDE_LO_CUDA", "1") != "0"
-
-
 def dependent_launches(device: torch.device) -> bool:
     """Whether down runs as a programmatic dependent of gate_up (its rows found and their loads started
-    while gate_up finishes), and the layer's reduce as one of down: sm_90 or newer, unless
-    MOETIDE_LO_PDL=0 (read per call)."""
-    return os.environ.get("MOETIDE_LO_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+    while gate_up finishes), and the layer's reduce as one of down: sm_90 or newer."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def nvcc() -> str | None:
@@ -104,19 +93,15 @@ def nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOETIDE_KERNEL_CACHE") or Path.home() / ".cache" / "moetide" / "kernels")
-
-
-def source() -> Path:
-    """The kernel source to build: SOURCE, or the file MOETIDE_LO_SOURCE names (A/B runs)."""
-    return Path(os.environ.get("MOETIDE_LO_SOURCE") or SOURCE)
+    """Where built kernels are kept: ~/.cache/moetide/kernels."""
+    return Path.home() / ".cache" / "moetide" / "kernels"
 
 
 def source_text(src: Path) -> str:
     """`src` with the text of each header it includes from its own directory (`#include "..."`, e.g.
     lo_mma_common.cuh) after it: what a build compiles, and so what its cache name hashes."""
     text = src.read_text()
-    headers = re.findall(r'^#include "([^"]+)"', text, re.M)
+    headers = re.findall(r'^#include "([^"]+)"', text, re.MULTILINE)
     return text + "".join((src.parent / name).read_text() for name in headers)
 
 
@@ -142,33 +127,22 @@ def build(arch: str, compiler: str, out_dir: Path, src: Path = SOURCE) -> Path:
     return target
 
 
-def library(device_index: int):
-    """The loaded library of `source()` for one CUDA device, or None (off, no nvcc, an old GPU, a failed
-    build)."""
-    return _library(device_index, source())
-
-
 @lru_cache(maxsize=8)
-def _library(device_index: int, src: Path):
+def library(device_index: int):
+    """The loaded library of SOURCE for one CUDA device, or None (no nvcc, an old GPU, a failed build)."""
     major, minor = torch.cuda.get_device_capability(device_index)
     compiler = nvcc()
     if major < 8 or compiler is None:
         return None
     try:
-        lib = ctypes.CDLL(str(build(f"{major}{minor}", compiler, cache_dir(), src)))
+        lib = ctypes.CDLL(str(build(f"{major}{minor}", compiler, cache_dir(), SOURCE)))
     except (RuntimeError, OSError) as error:
         return _off(error)
     lib.moetide_lo_mma.restype = ctypes.c_int
     lib.moetide_lo_mma.argtypes = ENTRY_ARGTYPES
     lib.moetide_lo_error.restype = ctypes.c_char_p
     lib.moetide_lo_error.argtypes = [ctypes.c_int]
-    prepare = getattr(lib, "moetide_lo_prepare", None)  # a source whose kernels need more shared memory
-    code = 0
-    if prepare is not None:
-        prepare.restype = ctypes.c_int
-        with torch.cuda.device(device_index):
-            code = prepare()
-    return _off(lib.moetide_lo_error(code).decode()) if code != 0 else lib
+    return lib
 
 
 def _off(reason) -> None:
@@ -193,7 +167,7 @@ def eligible(pool: Pool, hidden: torch.Tensor, block_m: int, routing_dtype: torc
     of 256 bits (the default groups: 128 and 64 codes), rows aligned to 16 bytes, bf16 activations on a CUDA
     device with the library built, a T the kernels take (`takes_tokens`), sorted blocks of at most 32 rows."""
     f = pool.format
-    if not (enabled() and hidden.is_cuda and hidden.dtype == torch.bfloat16 and block_m in BLOCK_MS):
+    if not (hidden.is_cuda and hidden.dtype == torch.bfloat16 and block_m in BLOCK_MS):
         return False
     if routing_dtype not in ROUTING_DTYPES:
         return False
@@ -210,17 +184,16 @@ def eligible(pool: Pool, hidden: torch.Tensor, block_m: int, routing_dtype: torc
 
 def takes_tokens(num_tokens: int, bits: int) -> bool:
     """Whether a layer of `num_tokens` tokens runs its lo pool here, `bits` its widest matrix's: int2 at
-    every T (faster than the tiles from 33 to 128 tokens too, BENCHMARKS.md §0p); int4 for decode
-    batches up to MAX_TOKENS and above TILES_MAX_TOKENS (2.5x faster than the tiles at 160 and 192
-    tokens, 2.5-2.7x at 256 to 2048, §0p), the tiles between (faster there)."""
+    every T; int4 for decode batches up to MAX_TOKENS and above TILES_MAX_TOKENS (prefill chunks),
+    the Triton tiles between (faster there)."""
     return bits == 2 or num_tokens <= MAX_TOKENS or num_tokens > TILES_MAX_TOKENS
 
 
 def warps_along_k(num_tokens: int, groups: int, bits: int) -> int:
     """Warps of a program that split K (the others split N): 4 for int4 up to MAX_TOKENS tokens and for
     int2 up to 4 tokens, 2 above; from TOKENS_AS_ROWS_FROM tokens on (the tokens as the MMA's rows) 1,
-    int4 below 512 tokens 2 (the fastest of 1, 2, 4 per cell on the H200, BENCHMARKS.md §0m, §0o, §0p);
-    a divisor of the row's `groups`."""
+    int4 below 512 tokens 2 (the fastest of 1, 2, 4 per cell as measured); a divisor of the row's
+    `groups`."""
     if num_tokens >= TOKENS_AS_ROWS_FROM:
         wk = 2 if bits == 4 and num_tokens < 512 else 1
     else:
@@ -230,26 +203,11 @@ def warps_along_k(num_tokens: int, groups: int, bits: int) -> int:
     return wk
 
 
-def warps_along_n(num_tokens: int, wk: int, n: int, block_m: int) -> int:
-    """Warps of a program that split N, beside `warps_along_k`'s `wk`: programs of
-    MOETIDE_LO_PROGRAM_WARPS (4, the default, or 8; read per call) warps, 16 * warps / wk rows of each
-    matrix. Programs of 8 warps run on blocks of 16 or more rows where n is a multiple of their rows
-    (`warp_grid`). ValueError (one line) for another value."""
-    warps = os.environ.get("MOETIDE_LO_PROGRAM_WARPS", "4")
-    if warps not in ("4", "8"):
-        raise ValueError(f"MOETIDE_LO_PROGRAM_WARPS must be 4 or 8, not {warps!r}")
-    return int(warps) // wk
-
-
 def warp_grid(num_tokens: int, matrix: MatrixFormat, k: int, n: int, block_m: int) -> tuple[int, int]:
-    """(warps along K, warps along N) of a launch's programs: `warps_along_k`'s and `warps_along_n`'s,
-    where the kernels take that grid (8 warps: blocks of 16 or more rows and n a multiple of 16 * wn
-    rows), else 4 / wk along N."""
+    """(warps along K, warps along N) of a launch's programs of 4 warps: `warps_along_k`'s wk, and
+    4 / wk along N (16 * 4 / wk rows of each matrix per program)."""
     wk = warps_along_k(num_tokens, k // matrix.group_size, matrix.bits)
-    wn = warps_along_n(num_tokens, wk, n, block_m)
-    if wk * wn not in (4, 8) or wk * wn == 8 and block_m < 16 or n % (16 * wn):
-        wn = 4 // wk
-    return wk, wn
+    return wk, 4 // wk
 
 
 def tokens_as_rows(num_tokens: int, block_m: int) -> bool:

@@ -6,7 +6,7 @@ their input three times,
     q = x @ Wq^T [+ bq];  k = x @ Wk^T [+ bk];  v = x @ Wv^T [+ bv]        x (..., H)
 
 three GEMMs per layer that each read a weight once: at a decode step's few tokens they are bound by
-those reads and by their launches (OLMoE on the H200 at batch 1: 5.6 us each, with the output
+those reads and by their launches (OLMoE at batch 1: 5.6 us each, with the output
 projection 0.36 ms of a 1.3 ms step). `fuse_qkv` lays the three weights out as one (Nq + Nk + Nv, H)
 tensor, each projection's weight a view of its rows (no extra memory), and gives the module a
 forward pre-hook that computes `x @ W^T` once per call and keeps it for the call; each projection's
@@ -17,14 +17,13 @@ touched; `torch.compile` traces the hooks like any module call.
 
 Each output column is the same dot product as before, but the one GEMM may sum it in another order
 than three would: results can differ from the unfused ones by float rounding (tests: logits within
-1e-5 relative, greedy tokens equal). MOETIDE_FUSED_QKV=0 keeps the three projections (an A/B switch).
+1e-5 relative, greedy tokens equal).
 DeepSeek-V2's low-rank attention has no such triplet and is left as it is.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +51,7 @@ def fusable(module: nn.Module) -> list[nn.Linear] | None:
 
 def fuse_qkv(model: nn.Module) -> int:
     """Fuse the q/k/v projections of every module of `model` that has `fusable` ones (in place, after
-    the weights are where they stay); the number of modules fused. None unless MOETIDE_FUSED_QKV != 0."""
-    if os.environ.get("MOETIDE_FUSED_QKV") == "0":
-        return 0
+    the weights are where they stay); the number of modules fused."""
     fused = 0
     for module in list(model.modules()):
         layers = fusable(module)
@@ -89,12 +86,10 @@ def _project_once(weight: torch.Tensor, bias: torch.Tensor | None, module: nn.Mo
     every projection's rows, kept on the module for this call."""
     x = args[0] if args else kwargs.get("hidden_states")
     setattr(module, PRODUCT, (x, F.linear(x, weight, bias)) if isinstance(x, torch.Tensor) else None)
-    return None
 
 
 def _drop_product(module: nn.Module, args, output):
     setattr(module, PRODUCT, None)
-    return None
 
 
 def _columns_of_product(module: nn.Module, layer: nn.Linear, start: int, stop: int, x: torch.Tensor):

@@ -6,7 +6,7 @@ transformers' top-k routers (OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral, ...) compute,
     [the k normalized to sum 1];  [cast to the logits' dtype]  ->  (logits, scores, ids)
 
 which on CUDA is four to five kernels per layer (softmax, two of `torch.topk`, the normalization and
-the cast; measured on the H200 at batch 1: 10 us of a 15 us router). `fuse_routers` replaces, on
+the cast; measured at batch 1: 10 us of a 15 us router). `fuse_routers` replaces, on
 each MoE block's router instance, the forward by one that keeps the logits' matmul and computes the
 rest in one Triton kernel (`routing_kernel.py`) behind the operator `torch.ops.moetide.softmax_topk`
 (opaque to `torch.compile`, like the attention's), after a probe on random inputs shows that it
@@ -14,14 +14,12 @@ gives what the router's own forward gives: the same logits, the same experts wit
 (up to the float32 rounding of the exponential), the same dtypes. Routers that compute anything else
 (grouped or biased selection, sigmoid scores, jitter) fail the probe and keep their forward. CPU
 runs keep the routers' own forward; the operator's CPU implementation is the reference below.
-MOETIDE_FUSED_ROUTER=0 keeps every router's own forward (an A/B switch for the benchmarks).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 import torch.nn.functional as F
@@ -111,12 +109,10 @@ def same_routing(got, want) -> bool:
 
 def fuse_routers(model: nn.Module, adapter, device: torch.device) -> int:
     """Give each MoE block's router that passes `matching_spec` the fused forward (on the instance);
-    the number of routers fused. CUDA with triton only, unless MOETIDE_FUSED_ROUTER=0."""
+    the number of routers fused. CUDA with triton only."""
     from ..models.loader import moe_blocks
 
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-        return 0
-    if os.environ.get("MOETIDE_FUSED_ROUTER") == "0":
         return 0
     fused = 0
     for _, block in moe_blocks(model, adapter):

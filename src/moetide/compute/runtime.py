@@ -39,18 +39,20 @@ from .observations import StepObservations, StepRecord
 
 
 def check_lo_kernel(kind: str, device: torch.device) -> None:
-    """ConfigError unless `kind` runs on `device`: "triton" (the fused kernel) needs the triton
-    package and a CUDA device (or, for tests on CPU, Triton's interpreter: TRITON_INTERPRET=1)."""
+    """ConfigError unless `kind` runs on `device`: "triton" and "cuda" (the fused kernel) need the
+    triton package and a CUDA device (or, for "triton" in tests on CPU, Triton's interpreter:
+    TRITON_INTERPRET=1)."""
     if kind not in LO_KERNELS:
         raise ConfigError(f"lo kernel must be one of {', '.join(LO_KERNELS)}, got {kind!r}")
-    if kind != "triton":
+    if kind not in ("triton", "cuda"):
         return  # "auto" falls back to the reference where triton cannot run
     if importlib.util.find_spec("triton") is None:
         raise ConfigError(
-            "--lo-kernel triton needs the triton package; install it or use --lo-kernel dequant"
+            f"--lo-kernel {kind} needs the triton package; install it or use --lo-kernel dequant"
         )
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(f"--lo-kernel triton needs a CUDA device, got {device}; use --lo-kernel dequant")
+    interpreted = kind == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        raise ConfigError(f"--lo-kernel {kind} needs a CUDA device, got {device}; use --lo-kernel dequant")
 
 
 def _is_silu(act_fn: ActFn) -> bool:
@@ -69,6 +71,9 @@ class ExpertRuntime:
         self.top_k = top_k
         self.iteration = 0
         self.fused = None  # the fused Triton module (`compute.fused_moe`) when it computes the experts
+        self.cuda_kernels = (
+            True  # the fused kernel may run packed pools on `lo_cuda` (not --lo-kernel triton)
+        )
         self.observations: StepObservations | None = None  # set by `engine.assemble`
         self.observing = False  # a policy reads the steps: PolicyHooks records every layer's routing
         self.step_observers: list = []  # observer(StepRecord), called one step late (PolicyHooks)
@@ -80,10 +85,12 @@ class ExpertRuntime:
         self._to_observe: list[StepRecord] = []  # accounted at this step's start, observed at its end
 
     def set_lo_kernel(self, kind: str, device: torch.device) -> None:
-        """How the experts are computed: "triton" (the fused kernel over the slot table), "dequant"
-        (the per-expert PyTorch reference: dequantize, then matmul) or "auto" (triton on CUDA where
+        """How the experts are computed (`EngineConfig.lo_kernel`): "cuda" or "triton" (the fused kernel
+        over the slot table, with or without the tensor-core kernels for packed pools), "dequant"
+        (the per-expert PyTorch reference: dequantize, then matmul) or "auto" ("cuda" on CUDA where
         the experts are SiLU-gated, else the reference)."""
         check_lo_kernel(kind, device)
+        self.cuda_kernels = kind != "triton"
         if kind == "dequant" or (kind == "auto" and device.type != "cuda"):
             self.fused = None
             return
@@ -91,7 +98,7 @@ class ExpertRuntime:
             if kind == "auto":
                 self.fused = None
                 return
-            raise ConfigError("--lo-kernel triton computes SiLU-gated experts only; use --lo-kernel dequant")
+            raise ConfigError(f"--lo-kernel {kind} computes SiLU-gated experts only; use --lo-kernel dequant")
         if importlib.util.find_spec("triton") is None:  # auto on a CUDA machine without triton
             self.fused = None
             return
@@ -216,7 +223,7 @@ class ExpertRuntime:
         pools = self.residency.kernel_pools(hidden.dtype)
         if self.fused is not None:
             return self.fused.fused_moe(hidden, top_k_index, top_k_weights, pool_of, slot_of, pools,
-                                        waits=waits)  # fmt: skip
+                                        waits=waits, cuda_kernels=self.cuda_kernels)  # fmt: skip
         if hidden.device.type == "cuda":  # NOTE: host sync (counted): the reference reads the used ids
             self.metrics.host_syncs += 1
         return reference_moe(hidden, top_k_index, top_k_weights, pool_of, slot_of, pools, self.act_fn,

@@ -1,7 +1,7 @@
 """Decode steps as CUDA graphs, for batches whose experts need no host decisions.
 
 A decode step of a 1-7 B MoE on a large GPU is launch-bound: ~1000 kernel launches from Python
-keep the GPU busy a third of the step (run 9/10 profiles, BENCHMARKS.md). Where the expert path has
+keep the GPU busy a third of the step. Where the expert path has
 no host sync (no-offload: every expert hi-resident at a fixed slot; static-int4/int2 with the fused
 low-bit kernel; any policy whose misses run lo or zero-copy, its table written between steps), one
 step is captured once per (row bucket R, block-table width W) and replayed.
@@ -38,8 +38,6 @@ that it computes what the eager path computes.
 """
 
 from __future__ import annotations
-
-import os
 
 import logging
 from collections import Counter, OrderedDict
@@ -196,8 +194,7 @@ class GraphedDecoder:
         self.max_width = max_width
         # compiled or not, decode steps may attend from the pools in place: the attention kernel is
         # an operator dynamo does not trace (`paged_attention.paged_decode_attention_op`)
-        # (MOETIDE_COMPILED_GATHER=1 keeps a compiled step on the gather: an A/B switch for the benchmarks)
-        self.in_place = not (compile_step and os.environ.get("MOETIDE_COMPILED_GATHER") == "1")
+        self.in_place = True
         self.modules = list(model.modules())  # the tree is fixed once the runtime is assembled
         self.hooks_at_start = count_forward_hooks(self.modules)
         self.states: OrderedDict[tuple[int, int], PagedDecodeState] = OrderedDict()

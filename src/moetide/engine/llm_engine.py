@@ -191,7 +191,7 @@ class LLMEngine:
         - Prefill once at every tile bucket of the fused MoE kernel that a packed prefill row can
           reach (`t_bucket` of more tokens than ride in a decode step, up to the step's prefill
           budget): one request of that many prompt tokens. A prefill of a new bucket compiles the
-          kernel's gate_up and down for every pool (about a second each on the H200): without
+          kernel's gate_up and down for every pool (about a second each): without
           this, a wave's clients all waited ~2.3 s once at 64 clients (TTFT p90 2.40 s, 1.00 s with
           it) and a 2k-token prompt's first token took 3.1 s (0.41 s with it).
 

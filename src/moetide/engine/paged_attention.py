@@ -1,6 +1,6 @@
 """Decode attention read straight from the paged KV pool (Triton): no gather of the rows' blocks.
 
-Measured on the H200 against the gather + SDPA path of `paged_cache.py` (one layer, CUDA graph
+Measured against the gather + SDPA path of `paged_cache.py` (one layer, CUDA graph
 replay, `scripts/bench_attention.py`, BENCHMARKS.md): OLMoE's 16/16/128 heads at 32 rows of 512
 tokens 57 µs against 133 µs, 64 rows of 2,048 tokens 268 against 837; Qwen3-30B-A3B's GQA 32/4 at
 32 x 2,048 60 µs against 1,825. The work follows each row's length, not the batch's widest table, so

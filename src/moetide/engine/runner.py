@@ -16,7 +16,7 @@ small int64 tensors, copied to the device once per forward:
                       (each row's K/V is written before any row attends, and the mask keeps each
                       to positions <= its own, so the rows compute causal attention), when the
                       CUDA-graph decoder can take the rows: a prefix-cache hit's few new tokens
-                      replay a captured step instead of an eager forward (~30 ms on the H200).
+                      replay a captured step instead of an eager forward (~30 ms).
 
 Position ids count the sequence's own tokens only, so a sequence computes the same logits
 whatever it is batched with. Shapes: B rows, T tokens, W blocks per row, bs block size, V vocabulary.
@@ -35,8 +35,8 @@ from .sequence import Sequence
 
 # Attention backends the engine's forwards may use: every one but cuDNN's. cuDNN attention builds an
 # execution graph per (batch, query length, KV length) shape, and a decode step's KV length is new
-# each step: on the H200 each new shape cost ~2.5 ms per layer on the host (run 9, batch 32: 120 ms of
-# 230 ms host time in three decode steps), until every length had been seen once in the process.
+# each step: each new shape costs ~2.5 ms per layer on the host (at batch 32, 120 ms of 230 ms host
+# time in three decode steps), until every length has been seen once in the process.
 ENGINE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Prefill tokens of one step that may ride in the decode step as rows of their own (0: never).

@@ -24,9 +24,9 @@ and calls the sink. A search whose target layer the forward pass has already rea
                exact code); `synchronous=True` means the same
 The engine needs "process" and the simulator "inline". "thread" stays because "process" cannot run
 everywhere: its lock-free rings rely on x86-64's store ordering, so on a weakly ordered CPU (ARM,
-`searcher_process.SUPPORTED`) the engine falls back to the thread. Measured on the H200 (run 19,
-results/history.md §5), the thread costs the decode step 27 % against the process's 11 %, so it is
-never the default where the process runs.
+`searcher_process.SUPPORTED`) the engine falls back to the thread. The thread costs the decode step
+more than the process does (it shares the GIL with the forward thread), so it is never the default
+where the process runs.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class PolicySpec:
     in_step: it predicts a step's later layers from its earlier ones, so in the engine it observes
         each layer as the step runs (`policies.in_step.LayerFeed`), not a step later. combined does
         not: a miss runs its resident lo version, so a late prediction costs little, while the feed
-        cost 22 % of its compiled batch-1 step on the H200 (294.8 against 378.0 tok/s).
+        cost 22 % of its compiled batch-1 step (294.8 against 378.0 tok/s).
     factory: builds the policy object from `PolicyOptions`.
     """
 

@@ -2,8 +2,7 @@
 
 Why a process: on a launch-bound decode step the forward thread and a searcher *thread* share the
 GIL, and every search, wake-up and sink call of the thread is time the forward thread waits for it
-(BENCHMARKS.md §5, H200 run 19: FineMoE adds 27 % to a decode step with a thread, 11 % with this
-process). Here the forward thread's whole share of FineMoE is:
+(measured: FineMoE added 27 % to a decode step with a thread, 11 % with this process). Here the forward thread's whole share of FineMoE is:
 
     publish   copy the observation into a slot of a shared ring (numpy) and bump a counter
     apply     at its next publish, turn the decisions the searcher wrote back into sink calls

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -33,8 +32,6 @@ from ..errors import ConfigError, MoetideError
 from .metrics import ServerMetrics
 
 log = logging.getLogger("moetide.serve")
-
-STEP_LOG_ENV = "MOETIDE_STEP_LOG"  # a path: one JSON line per engine-thread iteration (what it ran, how long)
 
 
 class QueueFullError(MoetideError):
@@ -111,6 +108,8 @@ class AsyncEngine:
             one more is refused with `QueueFullError`.
         metrics: where Prometheus series go (a new registry per instance by default).
         expert_metrics_interval_s: how often the engine thread refreshes the expert snapshot while busy.
+        step_log: a path the engine thread appends one JSON line per iteration to (what it ran, how
+            long; `moetide serve --step-log`); None: no step log.
     """
 
     def __init__(
@@ -121,6 +120,7 @@ class AsyncEngine:
         max_queue: int = 256,
         metrics: ServerMetrics | None = None,
         expert_metrics_interval_s: float = 0.5,
+        step_log: str | None = None,
     ):
         if max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
@@ -146,7 +146,7 @@ class AsyncEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._last_expert_refresh_s = 0.0
         self._thread: threading.Thread | None = None
-        self._step_log = _open_step_log(os.environ.get(STEP_LOG_ENV))
+        self._step_log = _open_step_log(step_log)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -434,14 +434,14 @@ class AsyncEngine:
 
 
 def _open_step_log(path: str | None):
-    """The step log named by MOETIDE_STEP_LOG, appended to and line-buffered (it lives as long as the
-    engine thread), or None."""
+    """The step log at `path`, appended to and line-buffered (it lives as long as the engine thread), or
+    None."""
     if not path:
         return None
     try:
         return open(path, "a", buffering=1)  # noqa: SIM115
     except OSError as e:
-        raise ConfigError(f"{STEP_LOG_ENV}={path}: cannot write the step log there ({e.strerror})") from None
+        raise ConfigError(f"--step-log {path}: cannot write the step log there ({e.strerror})") from None
 
 
 def _failed_sequence(stream: RequestStream) -> Sequence:

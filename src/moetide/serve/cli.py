@@ -72,6 +72,12 @@ def register_cli(subparsers) -> None:
         default=DEFAULT_READ_TIMEOUT_S,
         help="seconds a client gets to send a request's headers, and then its body (default 30)",
     )
+    p.add_argument(
+        "--step-log",
+        metavar="PATH",
+        help="append one JSON line per engine iteration to PATH (its kind, shape and seconds; scripts/step_log.py"
+        " summarises it)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--quiet",
@@ -134,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loaded, engine, tokenizer = build_engine(config, progress=not args.quiet)
     if args.warm_up and engine.warm_up(progress=not args.quiet):
         loaded.runtime.metrics.reset()  # the counters /metrics shows start with the first client
-    async_engine = AsyncEngine(engine, loaded=loaded, max_queue=args.max_queue)
+    async_engine = AsyncEngine(engine, loaded=loaded, max_queue=args.max_queue, step_log=args.step_log)
     name = served_model_name(config, args.served_model_name)
     app = create_app(
         async_engine,

@@ -133,8 +133,7 @@ __device__ __forceinline__ void tokens_as_rows(float (&acc)[NM][NT][4], const Lo
 // down at one token tile 8 (`kMinPrograms`); with the weights as the MMA's rows, two or more token
 // tiles and K split between warps (the grids of 5 to 128 tokens), 16 warps of gate_up and 20 of down
 // (at most 128 and 102 registers at 4 warps a program, none spilled on sm_90: the kernels wait on
-// memory at 12 to 16 warps an SM, and this made the int2 layer 3-6 % faster from 8 to 128 tokens,
-// BENCHMARKS.md §0s); else as the compiler chooses (1 warp along K at 4 token tiles would spill).
+// memory at 12 to 16 warps an SM, which this keeps resident); else as the compiler chooses (1 warp along K at 4 token tiles would spill).
 template <int NM, int NT, int WK, int WN, bool TOKENS_AS_ROWS>
 constexpr int kResidentPrograms =
     NT == 1 || TOKENS_AS_ROWS || WK == 1 ? kMinPrograms<NM, NT> : (NM == 2 ? 16 : 20) / (WK * WN);
@@ -221,7 +220,7 @@ struct LaunchOne {
 }  // namespace
 
 // matrices 2: gate_up, 1: down; nt n8 token tiles (>= block_m / 8); wk warps along K (1, 2, 4) and wn
-// along N (wk * wn 4, or 8 where nt > 1); dependent: down as a programmatic dependent launch of the
+// along N (wk * wn 4); dependent: down as a programmatic dependent launch of the
 // kernel before it (sm_90+); tokens_as_rows: the main loop of `tokens_as_rows` (nt 2 or 4), else
 // `weights_as_rows`. Returns the launch's cudaError_t (0: launched).
 extern "C" int moetide_lo_mma(const LoArgs* args, int matrices, int bits, int nt, int wk, int wn,

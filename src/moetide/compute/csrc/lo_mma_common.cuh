@@ -1,8 +1,7 @@
-// What both lo kernel sources share (lo_mma.cu, and the candidate lo_mma_pipelined.cu, which stages
-// the same operands through shared memory): the kernels' arguments, the tensor-core algebra on packed
+// The parts of the lo kernels (lo_mma.cu) around their main loop: the kernels' arguments, the tensor-core algebra on packed
 // rows, both main loops' work on a group's loaded words and activations (`tile_weights_as_rows`,
 // `tiles_tokens_as_rows`), the steps around each main loop (a block's copy wait, its token tiles, the K
-// parts' sums, the epilogue), the launch and the dispatch over the instantiations. Each source defines
+// parts' sums, the epilogue), the launch and the dispatch over the instantiations. lo_mma.cu defines
 // `lo_mma_kernel`, a `LaunchOne` op that launches one instantiation of it (`launch_programs`), and
 // `moetide_lo_mma`.
 //
@@ -106,8 +105,8 @@ __device__ __forceinline__ void wait_for_the_grid_before() {
 }
 
 // (shifted & mask) | magic. The compiler emits that as two LOP3s (an instruction takes one immediate);
-// int2 has it as one, with both constants in registers (3-5 % faster per int2 layer on the H200;
-// int4 was 3-4 % slower that way up to 32 tokens, BENCHMARKS.md §0p).
+// int2 has it as one, with both constants in registers (faster for int2 rows; int4 keeps the two
+// LOP3s, faster there).
 template <int BITS>
 __device__ __forceinline__ uint32_t pair_codes(uint32_t shifted, uint32_t mask) {
     if constexpr (BITS == 2) {
@@ -370,21 +369,13 @@ cudaError_t launch_programs(void (*kernel)(LoArgs), const LoArgs& a, const Launc
     return cudaLaunchKernelEx(&config, kernel, a);
 }
 
-// Warp grids (wk along K x wn along N): programs of 4 warps, and of 8 for blocks of 16 or more token rows
-// (twice the rows per program: a stage's activations read by twice as many warps).
+// Warp grids (wk along K x wn along N): programs of 4 warps.
 template <int BITS, int NM, int NT, bool TOKENS_AS_ROWS, class Op>
 cudaError_t by_warps(const Op& op, int wk, int wn) {
     switch (wk * 16 + wn) {
         case 16 + 4: return op.template run<BITS, NM, NT, 1, 4, TOKENS_AS_ROWS>();
         case 32 + 2: return op.template run<BITS, NM, NT, 2, 2, TOKENS_AS_ROWS>();
         case 64 + 1: return op.template run<BITS, NM, NT, 4, 1, TOKENS_AS_ROWS>();
-    }
-    if constexpr (NT > 1) {
-        switch (wk * 16 + wn) {
-            case 16 + 8: return op.template run<BITS, NM, NT, 1, 8, TOKENS_AS_ROWS>();
-            case 32 + 4: return op.template run<BITS, NM, NT, 2, 4, TOKENS_AS_ROWS>();
-            case 64 + 2: return op.template run<BITS, NM, NT, 4, 2, TOKENS_AS_ROWS>();
-        }
     }
     return cudaErrorInvalidValue;
 }
