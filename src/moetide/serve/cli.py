@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import add_engine_args, engine_config_from_args
+from ..cli_args import add_engine_args, engine_config_from_args
 from ..config import SERVE_KV_TOKENS_PER_SEQ, EngineConfig
 from ..errors import ConfigError
 from .http import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, is_loopback
