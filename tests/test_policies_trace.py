@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -130,154 +131,139 @@ def test_dense_first_layers_are_skipped():
 
 
 # -- the asynchronous searcher never blocks the forward pass ------------------------------------------
-class SlowSink:
-    """A sink whose every call takes `delay_s` (a congested copy engine, a slow lock...)."""
+class BlockedSink:
+    """A sink whose every call waits until `release()` (a congested copy engine, a held lock...):
+    while blocked, a searcher that calls it is stuck in the call."""
 
-    def __init__(self, delay_s: float, capacity_experts: int = 16):
-        self.delay_s = delay_s
+    def __init__(self, capacity_experts: int = 16, released: bool = False):
         self.capacity_experts = capacity_experts
-        self.calls = 0
+        self._released = threading.Event()
+        if released:
+            self._released.set()
+        self.entered = 0  # calls begun (some may still be waiting)
+        self.calls = 0  # calls done
+
+    def _call(self) -> None:
+        self.entered += 1
+        self._released.wait()
+        self.calls += 1
 
     def prefetch(self, layer, experts, *, iteration, priorities=None, protect=False):
-        if protect:
-            self.protect(layer, experts, iteration=iteration)
-        time.sleep(self.delay_s)
-        self.calls += 1
+        self._call()
 
     def protect(self, layer, experts, *, iteration):
-        time.sleep(self.delay_s)
-        self.calls += 1
+        self._call()
 
     def set_precision(self, layer, expert, precision):
-        time.sleep(self.delay_s)
+        self._call()
+
+    def release(self) -> None:
+        self._released.set()
 
 
-def slow_searcher(policy, searcher: str, sink_delay_s: float):
-    """A generator: a deliberately slow searcher. thread: every sink call the searcher thread makes sleeps
-    `sink_delay_s`. process: the searcher process is stopped (SIGSTOP) for the whole block, then
-    resumed (it works through its backlog, skipping what is late). The first `next` gives the sink
-    to attach; for a process, the second stops it and the third (or `close`) resumes it."""
-    if searcher == "thread":
-        yield SlowSink(sink_delay_s)
-        return
-    sink = SlowSink(0.0)
+def blocked_searcher(policy, searcher: str):
+    """A generator: a searcher that cannot make progress. thread: the sink blocks every call of
+    the searcher thread until resumed. process: the searcher process is stopped (SIGSTOP). The first
+    `next` gives the sink to attach; the second blocks the searcher and the third (or `close`)
+    resumes it."""
+    sink = BlockedSink(released=searcher != "thread")
     yield sink
     process = policy._process
-    deadline = time.monotonic() + 60
-    while not process.ready and time.monotonic() < deadline:
-        time.sleep(0.01)
-    os.kill(process._child.pid, signal.SIGSTOP)
+    if process is not None:
+        deadline = time.monotonic() + 60
+        while not process.ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(process._child.pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        os.kill(process._child.pid, signal.SIGCONT)
+        if process is not None:
+            os.kill(process._child.pid, signal.SIGCONT)
+        sink.release()
+
+
+def finishes_while_the_searcher_is_blocked(work, hang_s: float = 60.0):
+    """Run `work()` on a thread of its own: whether it returned (a forward thread that waited for
+    the blocked searcher would never return; `hang_s` only bounds the test)."""
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 -- re-raised on the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(hang_s)
+    if errors:
+        raise errors[0]
+    return not thread.is_alive()
 
 
 @pytest.mark.parametrize("searcher", ["thread", "process"])
-def test_forward_thread_calls_return_in_microseconds_with_a_slow_searcher(searcher):
+def test_forward_thread_calls_never_wait_for_a_blocked_searcher(searcher):
     warm = synthetic_trace([0, 1, 2, 3], decode_steps=8)
     policy = FineMoEPolicy(prefetch_distance=1, searcher=searcher)
-    slow = slow_searcher(policy, searcher, 0.05)
-    sink = next(slow)
+    blocked = blocked_searcher(policy, searcher)
+    sink = next(blocked)
     policy.attach(sink, warm.meta.num_layers, warm.meta.num_experts, warm.meta.top_k)
     policy.warm_up(warm)
-    worst = 0.0
 
     def run(steps):
-        nonlocal worst
         for s in steps:
             step = warm.step(s)
-            t0 = time.perf_counter()
             policy.begin_iteration(s, step.embedding, step.num_tokens)
-            worst = max(worst, time.perf_counter() - t0)
             for layer in range(warm.meta.num_layers):
-                t0 = time.perf_counter()
                 policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
-                worst = max(worst, time.perf_counter() - t0)
                 time.sleep(0.002)  # the layer's compute
             policy.end_iteration(s)
 
     try:
-        if searcher == "process":
-            next(slow)  # stopped from here on
-        run(range(20))
-        # thread: each search's sink calls alone take >= 100 ms; process: the searcher is stopped.
-        # Either way the forward thread never waited for it.
-        # (half of one 50 ms sink call: a loaded 2-core machine has shown 10.4 ms for a queue put)
-        assert worst < 0.025, f"a forward-thread call took {worst * 1e3:.1f} ms"
-        next(slow, None)  # resume a stopped searcher process: its backlog is late, later steps are not
+        next(blocked)  # the searcher is blocked from here on
+        # thread: the searcher thread is stuck in a sink call; process: the searcher is stopped.
+        # Either way the forward thread's 20 steps finish without it.
+        assert finishes_while_the_searcher_is_blocked(lambda: run(range(20))), "the forward thread waited"
+        if searcher == "thread":
+            assert sink.entered > sink.calls == 0  # the searcher was in the sink all along
+        next(blocked, None)  # resume: its backlog is late, later steps are not
         run(range(20, 28))
         assert policy.drain(timeout_s=60)
         assert sink.calls > 0  # the searcher did work (late ones are skipped, by design)
         assert policy.stats()["late_skipped"] > 0
         assert not policy.errors
     finally:
-        slow.close()
+        blocked.close()
         policy.close()
 
 
-class Timed:
-    """Forwards every call to `policy` and records how long the forward thread spent in it."""
-
-    def __init__(self, policy):
-        self.policy = policy
-        self.name = policy.name
-        self.speculative_distances = policy.speculative_distances
-        self.durations: list[float] = []
-
-    def attach(self, *args):
-        self.policy.attach(*args)
-
-    def _timed(self, method, *args, **kwargs):
-        t0 = time.perf_counter()
-        getattr(self.policy, method)(*args, **kwargs)
-        self.durations.append(time.perf_counter() - t0)
-
-    def begin_iteration(self, *args, **kwargs):
-        self._timed("begin_iteration", *args, **kwargs)
-
-    def observe_layer(self, *args):
-        self._timed("observe_layer", *args)
-
-    def observe_speculative(self, *args):
-        self._timed("observe_speculative", *args)
-
-    def end_iteration(self, *args):
-        self._timed("end_iteration", *args)
-
-
 @pytest.mark.parametrize("searcher", ["thread", "process"])
-def test_slow_searcher_leaves_outputs_and_step_times_unaffected(tiny, searcher):
+def test_a_blocked_searcher_leaves_outputs_unaffected_and_the_forward_pass_running(tiny, searcher):
     adapter = get_adapter("qwen3_moe")
-    greedy_generate(tiny, PROMPTS[:1], 3)  # warm the model up
     plain = greedy_generate(tiny, PROMPTS, 8)
 
     warm = record_trace(tiny, adapter, PROMPTS, 4, spec_distances=())
     policy = FineMoEPolicy(prefetch_distance=1, searcher=searcher)
-    # thread: a blocking searcher would add >= 1 s (prefetch + protect) to every step
-    slow = slow_searcher(policy, searcher, 0.5)
-    sink = next(slow)
-    timed = Timed(policy)
-    hooks = PolicyHooks(tiny, adapter, [timed], sink=sink)
+    blocked = blocked_searcher(policy, searcher)
+    sink = next(blocked)
+    hooks = PolicyHooks(tiny, adapter, [policy], sink=sink)
     policy.warm_up(warm)
+    hooked = []
     try:
-        if searcher == "process":
-            next(slow)  # stopped from here on
-        hooked = greedy_generate(tiny, PROMPTS, 8, hooks=hooks)
-        next(slow, None)  # resume a stopped searcher process
+        next(blocked)  # blocked from here on
+        generated = finishes_while_the_searcher_is_blocked(
+            lambda: hooked.append(greedy_generate(tiny, PROMPTS, 8, hooks=hooks))
+        )
+        assert generated, "generation waited for the blocked searcher"
+        next(blocked, None)  # resume
         policy.drain(timeout_s=120)
         greedy_generate(tiny, PROMPTS[:1], 8, hooks=hooks)  # steps it is in time for
         assert policy.drain(timeout_s=120) and sink.calls > 0 and not policy.errors
     finally:
-        slow.close()
+        blocked.close()
         hooks.remove()
         policy.close()
-    assert hooked.tokens == plain.tokens
-    # the forward thread's time inside the policy: publishing only (robust to a loaded machine)
-    assert max(timed.durations) < 0.05, f"a policy call took {max(timed.durations) * 1e3:.1f} ms"
-    steps = len(hooked.step_times_s)
-    median = sorted(hooked.step_times_s)[steps // 2]
-    assert median < 2 * sorted(plain.step_times_s)[steps // 2] + 0.1
+    assert hooked[0].tokens == plain.tokens
 
 
 def test_trace_recorder_as_policy_numbers_requests_without_ids():
@@ -467,26 +453,29 @@ def test_a_full_ring_drops_events_instead_of_waiting_and_the_searcher_skips_thos
     warm = synthetic_trace([0, 1, 2, 3], decode_steps=8)
     L = warm.meta.num_layers
     policy = FineMoEPolicy(prefetch_distance=1, searcher="process")
-    slow = slow_searcher(policy, "process", 0.0)
-    sink = next(slow)
+    blocked = blocked_searcher(policy, "process")
+    sink = next(blocked)
     policy.attach(sink, L, warm.meta.num_experts, warm.meta.top_k)
     policy.warm_up(warm)
     slots = policy._process.event_slots
     steps = slots // (L + 2) + 3  # enough iterations to overflow the ring
     try:
-        next(slow)  # stopped from here on
-        worst = 0.0
-        for s in range(steps):
-            step = warm.step(s % len(warm))
-            t0 = time.perf_counter()
-            policy.begin_iteration(s, step.embedding, step.num_tokens)
-            for layer in range(L):
-                policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
-            policy.end_iteration(s)
-            worst = max(worst, time.perf_counter() - t0)
+        next(blocked)  # stopped from here on
+
+        def publish_all():
+            for s in range(steps):
+                step = warm.step(s % len(warm))
+                policy.begin_iteration(s, step.embedding, step.num_tokens)
+                for layer in range(L):
+                    policy.observe_layer(s, layer, step.gate_probs[layer], step.layer_topk(layer))
+                policy.end_iteration(s)
+
+        # publishing into the full ring of a stopped process returns: it never waits for room
+        assert finishes_while_the_searcher_is_blocked(publish_all), (
+            "publishing waited for the stopped searcher"
+        )
         assert policy.stats()["dropped_events"] == steps * (L + 2) - slots
-        assert worst < 0.025, f"an iteration's publishing took {worst * 1e3:.1f} ms"
-        next(slow, None)  # resume
+        next(blocked, None)  # resume
         assert policy.drain(timeout_s=60)
         calls_before = sink.calls
         step = warm.step(0)
@@ -499,7 +488,7 @@ def test_a_full_ring_drops_events_instead_of_waiting_and_the_searcher_skips_thos
         assert policy.drain(timeout_s=60) and not policy.errors
         assert sink.calls > calls_before  # a complete iteration after the drops is searched again
     finally:
-        slow.close()
+        blocked.close()
         policy.close()
 
 

@@ -40,8 +40,9 @@ def kernel_module(name: str, interpreter_test: str):
     return importlib.import_module(name)
 
 
-def assert_kernel_tests_passed(run: "InterpreterRun", test_file: str, minimum: int) -> None:
+def assert_kernel_tests_passed(run: InterpreterRun, test_file: str, minimum: int) -> None:
     """The interpreter run exited cleanly and passed at least `minimum` tests of `test_file`."""
+    assert run.timed_out is None, f"the interpreter run timed out: {run.timed_out}\n{run.summary}"
     assert run.result.returncode == 0, run.summary
     assert run.passed(test_file) >= minimum, run.summary
 
@@ -60,6 +61,7 @@ class InterpreterRun:
 
     result: subprocess.CompletedProcess
     summary: str  # the tail of its output, for assertion messages
+    timed_out: str | None = None  # why it was killed before it finished (None: it ran to its end)
 
     def passed(self, test_file: str) -> int:
         return sum(1 for line in self._outcomes("PASSED") if f"{test_file}::" in line)
@@ -83,7 +85,19 @@ def _command() -> tuple[list[str], dict]:
     files = [str(tests / name) for name in KERNEL_TESTS]
     # one process (tests/conftest.py would give a plain pytest command xdist workers)
     serial = ["-n", "0"] if importlib.util.find_spec("xdist") is not None else []
-    command = [sys.executable, "-m", "pytest", *files, "-q", "-rA", "-p", "no:cacheprovider", *serial, "-k", keyword]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *files,
+        "-q",
+        "-rA",
+        "-p",
+        "no:cacheprovider",
+        *serial,
+        "-k",
+        keyword,
+    ]
     return command, env
 
 
@@ -123,18 +137,20 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def run_under_interpreter(folder: Path, timeout_s: float = 900) -> InterpreterRun:
+def run_under_interpreter(folder: Path, timeout_s: float = 3600) -> InterpreterRun:
     """The kernel tests of `KERNEL_TESTS` with TRITON_INTERPRET=1 in one new process (one interpreter,
     torch and transformers start-up for all files; `-rA` lists each test's outcome): the background
     run that wrote or writes into `folder` if one was started (by this process or another of the
-    session), else one started now."""
+    session), else one started now. A run still going after `timeout_s` (a hang: it takes minutes)
+    is killed, and its `timed_out` says so; `folder/timed_out` tells the session's other processes."""
     if not (folder / "pid").exists():
         start_under_interpreter(folder)
-    done = folder / "returncode"
+    done, killed = folder / "returncode", folder / "timed_out"
     deadline = time.monotonic() + timeout_s
     while not done.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     if not done.exists():  # past the timeout: end it, as a failed run
+        _write_atomically(killed, f"still running after {timeout_s:g} s, killed (SIGKILL)")
         try:
             os.kill(int((folder / "pid").read_text()), signal.SIGKILL)
         except ProcessLookupError:
@@ -145,7 +161,8 @@ def run_under_interpreter(folder: Path, timeout_s: float = 900) -> InterpreterRu
     returncode = int(done.read_text()) if done.exists() else None
     stdout, stderr = (folder / "stdout").read_text(), (folder / "stderr").read_text()
     result = subprocess.CompletedProcess(_command()[0], returncode, stdout, stderr)
-    return InterpreterRun(result, result.stdout[-3000:] + result.stderr[-2000:])
+    why = killed.read_text() if killed.exists() else None
+    return InterpreterRun(result, result.stdout[-3000:] + result.stderr[-2000:], why)
 
 
 def run_both_kernels(kernel, monkeypatch, path, ids: torch.Tensor, max_tokens: int, prompt=(5, 6, 7, 8),

@@ -32,7 +32,7 @@ def _list(text: str | None, kind=str) -> list:
 
 
 def register_cli(subparsers) -> None:
-    from ..cli import add_engine_args
+    from ..cli_args import add_engine_args
     from .synthetic import SHAPES
 
     p = subparsers.add_parser(
@@ -116,7 +116,7 @@ def register_cli(subparsers) -> None:
 def cmd_bench(args) -> int:
     if args.record_trace:
         return _record(args)
-    from ..cli import precision_options_from_args
+    from ..cli_args import precision_options_from_args
     from .sweep import BenchSpec, run_sweep
 
     policies = _list(args.policy)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import uvicorn  # noqa: F401 - an install without it is told so when the CLI registers `serve`
 
-from ..cli import add_engine_args, engine_config_from_args
+from ..cli_args import add_engine_args, engine_config_from_args
 from ..config import SERVE_KV_TOKENS_PER_SEQ, EngineConfig
 from ..errors import ConfigError
 from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, is_loopback
@@ -121,8 +121,6 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from ..engine.llm import build_engine, save_map_store
     from .api import create_app
     from .async_engine import AsyncEngine
