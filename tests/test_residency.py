@@ -198,6 +198,23 @@ def test_predictions_past_the_links_capacity_are_dropped_but_cache_fills_are_not
     manager.close()
 
 
+def test_a_miss_fill_survives_the_layer_feed_of_a_later_layer():
+    """A miss is cached for the next steps, not for a layer of the running step: the layer feed's
+    in-step pass, at a layer past the missed one, leaves its fill queued; the fill is a miss fill,
+    and a later prediction of the same expert is a prefetch, not a fill."""
+    manager = make_manager("hi-cache", 4, 0, bandwidth=None)
+    manager.in_step_fed = True
+    run_step(manager, 1, {0: [1]})  # a miss: its fill is queued
+    assert manager.in_step(1, 2) == 0  # the feed, still on step 1, past layer 0
+    run_step(manager, 2, {})  # the fill goes out
+    m = manager.metrics
+    assert "hi" in manager.handles[0][1].versions and (m.miss_fills, m.prefetches_issued) == (1, 0)
+    manager.prefetch(1, [2], iteration=2)
+    run_step(manager, 3, {})
+    assert (m.miss_fills, m.prefetches_issued) == (1, 1) and manager.handles[1][2].versions["hi"].prefetched
+    manager.close()
+
+
 def test_in_the_lo_plus_hi_mode_a_prefetch_brings_the_precision_the_precision_policy_chose():
     """combined: FineMoE says when, DynaExq says in which precision. A prefetch of an expert whose
     target is hi copies its hi version back; one whose target is lo is brought into hi beside the hot

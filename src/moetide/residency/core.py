@@ -201,8 +201,9 @@ class ResidencyManager:
             victims = self.cache.victim_queues(below_layer=routed)
             while self.queue.prefetches:
                 request = self.queue.prefetches.popleft()
-                it, layer, _expert = request
-                if it > iteration:  # for a later step: its begin_step issues it
+                it, layer, expert = request
+                # for a later step, or a miss fill (for the next steps): a begin_step issues it
+                if it > iteration or (layer <= routed and (layer, expert) in self.queue.fills):
                     later.append(request)
                 elif layer > routed:  # (its layer running or done: too late)
                     started += self._issue_prefetch(*request, in_step=victims)
@@ -342,6 +343,7 @@ class ResidencyManager:
         steps ago are dropped. `victims_for`: pool -> `next_victim` for a burst between steps;
         `in_step`: the same within a step (victims only of layers already run, whose slots change
         hands at once)."""
+        fill = self.queue.take_fill(layer, expert)  # caching a miss: not a prediction, never dropped
         if iteration < self.iteration - TABLE_LAG:
             return False
         h = self.handles[layer][expert]
@@ -356,7 +358,6 @@ class ResidencyManager:
             if self.reserve.unpark(pool, (layer, expert)) and in_step is not None:
                 self._republish(h, pool)
             return False
-        fill = self.queue.take_fill(layer, expert)  # caching a miss: not a prediction, never dropped
         if not fill and self.queue.link_full():
             self.metrics.bump("deferred")
             return False
