@@ -381,3 +381,27 @@ def test_a_reader_between_a_publications_writes_never_sees_a_pool_word_before_it
         assert {read_entry(m, 1, e) for e in range(4)} == {m.pool_ids["hi"]}
     finally:
         m.close()
+
+
+def test_the_in_step_reserve_parks_no_version_of_the_hot_set():
+    """lo+hi (combined): the reserve for in-step predictions takes only versions DynaExq does not
+    want in hi; its hot set keeps its entries, whatever the in-step prefetches wanted."""
+    m = make_manager("lo+hi", 3, LAYERS * EXPERTS, on_miss="lo", bandwidth=None)
+    try:
+        m.in_step_fed = True
+        hot = [(0, 0), (1, 1), (2, 2)]  # fills the 3 hi slots
+        for layer, e in hot:
+            m.set_precision(layer, e, "hi")
+        m.begin_step(1)
+        m.end_step()
+        for layer, e in hot:
+            m.handles[layer][e].versions["hi"].ready.synchronize()
+        for _ in range(20):  # the last steps' in-step prefetches wanted slots
+            m.reserve.wanted("hi")
+        m.begin_step(2)
+        hi = m.pool_ids["hi"]
+        assert not m.reserve.parked["hi"]
+        assert all(m.table.device_table[layer, 0, e] == hi for layer, e in hot)
+        m.end_step()
+    finally:
+        m.close()

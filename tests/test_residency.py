@@ -206,26 +206,65 @@ def test_predictions_past_the_links_capacity_are_dropped_but_cache_fills_are_not
     manager.close()
 
 
+def test_a_miss_fill_survives_the_layer_feed_of_a_later_layer():
+    """A miss is cached for the next steps, not for a layer of the running step: the layer feed's
+    in-step pass, at a layer past the missed one, leaves its fill queued; the fill is a miss fill,
+    and a later prediction of the same expert is a prefetch, not a fill."""
+    manager = make_manager("hi-cache", 4, 0, bandwidth=None)
+    manager.in_step_fed = True
+    run_step(manager, 1, {0: [1]})  # a miss: its fill is queued
+    assert manager.in_step(1, 2) == 0  # the feed, still on step 1, past layer 0
+    run_step(manager, 2, {})  # the fill goes out
+    m = manager.metrics
+    assert "hi" in manager.handles[0][1].versions and (m.miss_fills, m.prefetches_issued) == (1, 0)
+    manager.prefetch(1, [2], iteration=2)
+    run_step(manager, 3, {})
+    assert (m.miss_fills, m.prefetches_issued) == (1, 1) and manager.handles[1][2].versions["hi"].prefetched
+    manager.close()
+
+
 def test_in_the_lo_plus_hi_mode_a_prefetch_brings_the_precision_the_precision_policy_chose():
     """combined: FineMoE says when, DynaExq says in which precision. A prefetch of an expert whose
-    target is lo (resident in the lo pool) copies nothing; one whose target is hi copies its hi
-    version."""
+    target is hi copies its hi version back; one whose target is lo is brought into hi beside the hot
+    set, in the slots the hot set leaves (free ones, then other predictions'), and never evicts a
+    version of the hot set: with none left it runs lo."""
     manager = make_manager("lo+hi", 4, LAYERS * EXPERTS, bandwidth=None)
+    hi = manager.pool_ids["hi"]
     manager.set_precision(1, 5, "hi")
     run_step(manager, 1, {})  # applies the precision change (a promotion: one hi copy)
-    copies = manager.metrics.copies
-    assert copies == 1 and manager.metrics.promotions == 1
-    manager.prefetch(1, [2, 3], iteration=1)  # target lo, lo resident: nothing to move
+    assert manager.metrics.copies == 1 and manager.metrics.promotions == 1
+    manager.prefetch(1, [2, 3], iteration=1)  # target lo: into the three free hi slots
     manager.prefetch(2, [1], iteration=1)
     run_step(manager, 2, {})
-    assert manager.metrics.copies == copies and manager.metrics.deferred == 0
-    assert all("hi" not in manager.handles[l][e].versions for l, e in ((1, 2), (1, 3), (2, 1)))
+    assert manager.metrics.copies == 4 and manager.metrics.prefetches_issued == 3
     land_all(manager)
-    run_step(manager, 3, {})
-    manager.cache.evict(manager.handles[1][5], "hi", None)  # the hot expert's hi version was evicted
-    manager.prefetch(1, [5], iteration=3)  # target hi: the prefetch brings it back in hi
+    ran = run_step(manager, 3, {1: [2, 5]})
+    assert ran[1, 2] == ran[1, 5] == hi and manager.metrics.prefetches_used == 1
+    manager.prefetch(0, [0, 1, 2], iteration=3)  # the pool is full: predictions replace predictions
     run_step(manager, 4, {})
-    assert manager.metrics.copies == copies + 1 and "hi" in manager.handles[1][5].versions
+    land_all(manager)
+    run_step(manager, 5, {})
+    assert "hi" in manager.handles[1][5].versions  # the hot set's version stays
+    assert manager.metrics.copies == 7 and resident(manager, 0) == {0, 1, 2}
+    manager.cache.evict(manager.handles[1][5], "hi", None)  # the hot expert's hi version was evicted
+    manager.prefetch(1, [5], iteration=5)  # target hi: the prefetch brings it back in hi
+    run_step(manager, 6, {})
+    assert manager.metrics.copies == 8 and "hi" in manager.handles[1][5].versions
+    manager.close()
+
+
+def test_in_the_lo_plus_hi_mode_a_prediction_never_evicts_the_hot_set():
+    manager = make_manager("lo+hi", 2, LAYERS * EXPERTS, bandwidth=None)
+    lo = manager.pool_ids["lo"]
+    for e in (0, 1):
+        manager.set_precision(0, e, "hi")
+    run_step(manager, 1, {})
+    land_all(manager)
+    copies = manager.metrics.copies
+    manager.prefetch(2, [3], iteration=1)  # target lo, every hi slot the hot set's
+    ran = run_step(manager, 2, {2: [3]})
+    assert manager.metrics.copies == copies and manager.metrics.deferred == 1
+    assert resident(manager, 0) == {0, 1} and ran[2, 3] == lo
     manager.close()
 
 

@@ -64,8 +64,9 @@ class PolicySpec:
         DynaExq's tiers (the rest is left to prefetches).
     in_step: it predicts a step's later layers from its earlier ones, so in the engine it observes
         each layer as the step runs (`policies.in_step.LayerFeed`), not a step later. combined does
-        not: a miss runs its resident lo version, so a late prediction costs little, while the feed
-        cost 22 % of its compiled batch-1 step (294.8 against 378.0 tok/s).
+        too: its FineMoE part brings predicted experts into hi within the step, where a prediction
+        made a step late is for a step that has passed (the feed cost 22 % of combined's compiled
+        batch-1 step on the H200: 294.8 against 378.0 tok/s).
     factory: builds the policy object from `PolicyOptions`.
     """
 
@@ -160,7 +161,9 @@ def _moe_infinity(o: PolicyOptions):
 POLICY_SPECS: dict[str, PolicySpec] = {
     s.name: s
     for s in (
-        PolicySpec("combined", "lo+hi", _combined, eviction="prob-freq", predicts=True, hi_share=0.5),
+        PolicySpec(
+            "combined", "lo+hi", _combined, eviction="prob-freq", predicts=True, hi_share=0.5, in_step=True
+        ),
         PolicySpec("finemoe", "hi-cache", _finemoe, eviction="prob-freq", predicts=True, in_step=True),
         PolicySpec("dynaexq", "lo+hi", _dynaexq, on_miss="lo", predicts=True, hi_share=1.0),
         PolicySpec("on-demand", "hi-cache", _on_demand),

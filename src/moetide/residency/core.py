@@ -168,7 +168,7 @@ class ResidencyManager:
             self._issue_background(self.options.max_background_copies * self.store.num_layers)
             if self.in_step_fed:
                 evicting = {n: p for n, p in self.pools.items() if self.cache.evicts(n)}
-                self.cache.changed |= self.reserve.park(iteration, evicting, self.cache.victim_queue)
+                self.cache.changed |= self.reserve.park(iteration, evicting, self._parking_victims)
             self._write_table()
             self._note_peak()
 
@@ -202,8 +202,9 @@ class ResidencyManager:
             victims = self.cache.victim_queues(below_layer=routed)
             while self.queue.prefetches:
                 request = self.queue.prefetches.popleft()
-                it, layer, _expert = request
-                if it > iteration:  # for a later step: its begin_step issues it
+                it, layer, expert = request
+                # for a later step, or a miss fill (for the next steps): a begin_step issues it
+                if it > iteration or (layer <= routed and (layer, expert) in self.queue.fills):
                     later.append(request)
                 elif layer > routed:  # (its layer running or done: too late)
                     started += self._issue_prefetch(*request, in_step=victims)
@@ -318,11 +319,12 @@ class ResidencyManager:
         self.queue.drain(self._worth_prefetching)
 
     def _worth_prefetching(self, layer: int, experts) -> list:
-        """The requested experts whose prefetch can do anything. In the lo+hi mode, with a lo pool that
-        holds every expert, one the precision policy keeps in lo is already where a prefetch would
-        bring it (most of a busy step's requests: hundreds at batch 32), so it is not queued."""
+        """The requested experts whose prefetch can do anything. In the lo+hi mode with no hi slots and a
+        lo pool that holds every expert, one the precision policy keeps in lo is already where a
+        prefetch would bring it, so it is not queued. With hi slots every prediction is kept: it is
+        brought into hi for its layer (`_prefetch_pool`)."""
         lo_everywhere = self._has_slots["lo"] and not self.cache.evicts("lo")
-        if not (self._lo_hi and lo_everywhere) or self.reserve.any_parked("lo"):
+        if not (self._lo_hi and lo_everywhere) or self._has_slots["hi"] or self.reserve.any_parked("lo"):
             return list(experts)
         what = np.fromiter(experts, dtype=np.int64, count=len(experts))
         return what[~self._kept_lo[layer, what]].tolist()
@@ -342,6 +344,7 @@ class ResidencyManager:
         steps ago are dropped. `victims_for`: pool -> `next_victim` for a burst between steps;
         `in_step`: the same within a step (victims only of layers already run, whose slots change
         hands at once)."""
+        fill = self.queue.take_fill(layer, expert)  # caching a miss: not a prediction, never dropped
         if iteration < self.iteration - TABLE_LAG:
             return False
         h = self.handles[layer][expert]
@@ -360,15 +363,22 @@ class ResidencyManager:
         if src is False:  # its hi version is only on disk: the stager reads it, a later request copies it
             self.metrics.bump("deferred")
             return False
-        fill = self.queue.take_fill(layer, expert)  # caching a miss: not a prediction, never dropped
         if not fill and self.queue.link_full():
+            unhold(self.store, src)
             self.metrics.bump("deferred")
             return False
+        # a prediction beside the precision policy's choice (lo+hi: into hi, its target lo) takes only
+        # a slot that policy does not want (free, or a version whose target is another tier)
+        beside = self._lo_hi and h.target != pool
         if in_step is not None:
-            slot = self._take_slot_in_step(pool, in_step(pool))
+            slot = self._take_slot_in_step(pool, self._cold_victims(pool, in_step(pool), beside))
         else:
             victims = victims_for(pool) if victims_for is not None else None
-            slot = self.cache.take_slot(pool, self._step_marker, may_evict=True, next_victim=victims)
+            if victims is not None:
+                victims = self._cold_victims(pool, victims, beside)
+            slot = self.cache.take_slot(
+                pool, self._step_marker, may_evict=True, next_victim=victims, cold_only=beside
+            )
         if slot is None:
             unhold(self.store, src)
             self.metrics.bump("deferred")
@@ -383,14 +393,32 @@ class ResidencyManager:
         return True
 
     def _prefetch_pool(self, h: ExpertHandle) -> str | None:
-        """The pool a prefetch of `h` fills: the hi pool when there is one, except in the lo+hi mode
-        (combined), where the precision policy's target tier decides (a prefetch brings the expert
-        in the precision DynaExq chose; FineMoE only says when). None: no pool to fill."""
+        """The pool a prefetch of `h` fills: the hi pool when there is one. In the lo+hi mode (combined)
+        an expert whose target is a hotter tier is brought into that tier (FineMoE says when, DynaExq
+        in what precision); one whose target is lo is brought into hi beside DynaExq's hot set, in the
+        slots that set leaves (`_cold_victims`), and runs lo where none is left. None: no pool."""
         has_slots = self._has_slots
         lo = "lo" if has_slots["lo"] else None
-        if self._lo_hi:
-            return h.target if h.target != "lo" and has_slots[h.target] else lo
+        if self._lo_hi and h.target != "lo" and has_slots[h.target]:
+            return h.target
         return "hi" if has_slots["hi"] else lo
+
+    def _parking_victims(self, pool: str):
+        """The versions `InStepReserve.park` may take out of the next step's table (lo+hi: never one
+        of the precision policy's hot set)."""
+        return self._cold_victims(pool, self.cache.victim_queue(pool), self._lo_hi)
+
+    def _cold_victims(self, pool: str, next_victim, cold_only: bool):
+        """`next_victim`, stopped at the first version the precision policy wants in `pool` where
+        `cold_only` (the candidates come cold first: after a warm one there is no cold one left)."""
+        if not cold_only or next_victim is None:
+            return next_victim
+
+        def cold_victim():
+            h = next_victim()
+            return h if h is None or h.target != pool else None
+
+        return cold_victim
 
     def _take_slot_in_step(self, pool: str, next_victim) -> int | None:
         """Within a step: a free slot of `pool` with its bytes reserved, else the slot of a parked
