@@ -91,7 +91,9 @@ def test_host_versions_can_be_dropped_only_where_the_device_holds_them(qwen3_che
     config = EngineConfig(model=str(qwen3_checkpoint), device="cpu", policy="on-demand")
     tight = minimum_budget(config, model_bytes(config))  # a hi cache of a few experts
     with pytest.raises(BudgetError, match="cannot drop the host hi versions"):
-        moetide.LLM(qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory=tight, host_versions=("lo",))
+        moetide.LLM(
+            qwen3_checkpoint, device="cpu", policy="on-demand", gpu_memory=tight, host_versions=("lo",)
+        )
 
 
 def _plan(**kw):
@@ -285,4 +287,3 @@ def test_the_servers_kv_floor_holds_a_chat_turn_per_sequence_up_to_a_quarter_of_
     assert kv_tokens(budget, 8, 128) == 2048  # 8 x 128 is less than that
     assert kv_tokens(budget, 24, 128) == 24 * 128
     assert kv_tokens(budget, 64, 128) == quarter
-
