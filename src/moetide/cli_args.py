@@ -15,6 +15,7 @@ from .config import (
     LO_KERNELS,
     ON_MISS,
     POLICIES,
+    RELATIVE_BUDGET_HELP,
     SEARCHERS,
     EngineConfig,
     parse_bytes,
@@ -37,8 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
     p.add_argument(
         "--gpu-memory",
         default=None,
-        help="hard cap on moetide's device memory, e.g. 6GiB, or NN%% (the fixed part + NN%% of all"
-        " experts in hi precision)",
+        help=f"hard cap on moetide's device memory, e.g. 6GiB, or NN%%; {RELATIVE_BUDGET_HELP}",
     )
     p.add_argument(
         "--cpu-memory",
@@ -172,9 +172,10 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_config_from_args(args) -> EngineConfig:
-    """The `EngineConfig` of the engine options; a relative `--gpu-memory NN%` is resolved against
-    the model (built on the meta device: no weights are read)."""
+def engine_config_from_args(args, **overrides) -> EngineConfig:
+    """The `EngineConfig` of the engine options and `overrides` (fields a command sets itself); a
+    relative `--gpu-memory NN%` is then resolved against that config (the model built on the meta
+    device: no weights are read)."""
     from .engine.llm import demo_model_path
     from .engine.memory import resolve_budget
 
@@ -193,6 +194,7 @@ def engine_config_from_args(args) -> EngineConfig:
         cpu_memory_bytes=parse_bytes(args.cpu_memory) if args.cpu_memory else None,
         **precision_options_from_args(args),
     )
+    config = dataclasses.replace(config, **overrides)
     if args.gpu_memory is None:
         return config
     return dataclasses.replace(config, gpu_memory_bytes=resolve_budget(args.gpu_memory, config))

@@ -61,6 +61,12 @@ def format_bytes(n: float) -> str:
 
 CUDA_GRAPHS = ("auto", "off")
 ON_MISS = ("auto", "lo", "zero-copy")  # see EngineConfig.on_miss
+# what `--gpu-memory NN%` means, in every command (engine.memory.relative_budget computes it)
+RELATIVE_BUDGET_HELP = (
+    "NN%% = the budget at which what is left after the fixed part (non-expert weights, KV cache,"
+    " activations, dequant scratch, as this command reserves them at that budget) holds NN%% of all"
+    " experts in hi precision"
+)
 # The server's floor under the derived KV reservation, per sequence of max_num_seqs: a chat turn (a
 # ~50-token ShareGPT prompt, 64 out) fills 8 blocks of 16. Measured (OLMoE shape, combined, 4 GiB,
 # 64 streaming clients): 4,096 tokens of KV preempted 20 sequences, TTFT p90 9.2 s,

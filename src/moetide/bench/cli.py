@@ -17,7 +17,7 @@ import argparse
 import shlex
 import sys
 
-from ..config import POLICIES
+from ..config import POLICIES, RELATIVE_BUDGET_HELP
 from ..errors import ConfigError
 
 
@@ -50,8 +50,7 @@ def register_cli(subparsers) -> None:
     p.add_argument(
         "--gpu-memory",
         default="30%",
-        help="comma-separated budgets: sizes (4GiB), 'NN%%' (fixed part + NN%% of all experts in hi"
-        " precision) or 'none' (no cap)",
+        help=f"comma-separated budgets: sizes (4GiB), NN%% or 'none' (no cap); {RELATIVE_BUDGET_HELP}",
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)

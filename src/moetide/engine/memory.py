@@ -8,8 +8,9 @@ that works. That minimum is the fixed point of `budget = fixed(budget) + experts
 reservation grows with the budget (a tenth of it), so "the fixed part at this budget + the experts"
 would move each time the user retried with it.
 
-Budgets can also be relative: `25%` = the fixed part + 25 % of all experts in hi precision, the one
-way to name the same pressure on the demo model and on a 47 B-parameter shape.
+Budgets can also be relative, the one way to name the same pressure on the demo model and on a
+47 B-parameter shape (`relative_budget`): `25%` = the budget whose room after its fixed part holds
+25 % of all experts in hi precision.
 """
 
 from __future__ import annotations
@@ -93,7 +94,6 @@ def plan_for(config: EngineConfig, mb: ModelBytes, budget_bytes: int) -> MemoryP
     is never refused here that the load would take.
     """
     from ..policies.registry import policy_spec
-
     from ..residency import all_hi_fits
 
     spec = policy_spec(config.policy)
@@ -178,9 +178,34 @@ def check_budget(config: EngineConfig, mb: ModelBytes | None = None) -> None:
         raise BudgetError(f"{e}{hint}") from None
 
 
+def relative_budget(share: float, config: EngineConfig) -> int:
+    """Bytes of the budget `share` (0.25 for "25%") for `config`: the smallest budget B at which,
+    after the fixed part `config`'s engine reserves at B (the one the too-small error reports), the
+    room left holds `share` of all experts in hi precision. The fixed part grows with the budget (its
+    KV reservation), so B is the fixed point of `B = fixed(B) + share x experts`, found by bisection
+    (`B - fixed(B)` only grows with B). Every command resolves NN% here."""
+    mb = model_bytes(config)
+    want = int(share * mb.all_experts_hi_bytes)
+
+    def room(budget: int) -> int:
+        return budget - mb.fixed_at(budget).total
+
+    low = mb.fixed_at(1).total + want - 1  # the fixed part is never smaller than at the smallest budget
+    high = max(low + 1, 2 * low)
+    while room(high) < want:
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        if room(mid) >= want:
+            high = mid
+        else:
+            low = mid
+    return high
+
+
 def resolve_budget(spec: str | int | None, config: EngineConfig) -> int | None:
     """Bytes for a `--gpu-memory` value: None / "none" (no cap), a size ("6GiB", or an int of bytes), or
-    "NN%" (the fixed part + NN % of all experts in hi precision; `config` names the model)."""
+    "NN%" (`relative_budget`; `config` names the model, device and dtype)."""
     if spec is None or str(spec).strip().lower() in ("", "none", "uncapped"):
         return None
     if isinstance(spec, (int, float)):
@@ -193,6 +218,5 @@ def resolve_budget(spec: str | int | None, config: EngineConfig) -> int | None:
             raise ConfigError(f"cannot read budget {spec!r}; write it like 25% or 6GiB") from None
         if not share > 0:
             raise ConfigError(f"a relative budget must be > 0%, got {spec!r}")
-        mb = model_bytes(config)
-        return mb.fixed.total + int(share * mb.all_experts_hi_bytes)
+        return relative_budget(share, config)
     return parse_bytes(text)

@@ -8,7 +8,6 @@ SIGINT / SIGTERM: stop accepting connections and requests, let in-flight request
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -117,7 +116,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine options of `moetide serve`: as every command's, but for concurrent clients the
     derived KV reservation holds a chat turn for each of `--max-num-seqs` (SERVE_KV_TOKENS_PER_SEQ)."""
-    return dataclasses.replace(engine_config_from_args(args), kv_tokens_per_seq=SERVE_KV_TOKENS_PER_SEQ)
+    return engine_config_from_args(args, kv_tokens_per_seq=SERVE_KV_TOKENS_PER_SEQ)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
