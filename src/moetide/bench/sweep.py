@@ -17,10 +17,10 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
 
 from ..config import POLICIES, EngineConfig, format_bytes
 from ..errors import ConfigError
+from ..progress import bar as progress_bar
 from . import runs
 from ..engine.memory import resolve_budget
 from .workload import (
@@ -422,7 +422,7 @@ def run_sweep(spec: BenchSpec, *, progress: bool = True) -> dict:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     rows: list[dict] = []
-    bar = tqdm(plan.runs, desc="bench", unit="run", disable=not progress, file=sys.stderr)
+    bar = progress_bar(plan.runs, desc="bench", unit="run", enabled=progress)
     for run in bar:
         bar.set_postfix_str(run_name(run))
         result = execute(spec, plan, run)

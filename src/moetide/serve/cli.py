@@ -115,8 +115,6 @@ def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from ..engine.llm import build_engine
     from .api import create_app
     from .async_engine import AsyncEngine
