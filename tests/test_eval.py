@@ -3,8 +3,10 @@ that must hold whatever the subset (int2 is worse than bf16; the dynamic budget 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import warnings
 
 import pytest
 from test_bad_input import run_cli
@@ -19,6 +21,7 @@ from moetide.eval.quality import (
     run_eval,
     split_conversations,
 )
+from moetide.eval.report import write_plot
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +98,19 @@ def test_spec_rejects_bad_budgets():
         EvalSpec(budgets=["1.5"])
     with pytest.raises(ConfigError, match="unknown config"):
         EvalSpec(configs=["fp8"])
+
+
+def test_the_plot_warns_of_nothing_when_a_workload_has_no_conversation(report, tmp_path):
+    """`--first N` can leave a workload unmeasured: its panel has no line, and matplotlib is not
+    asked for a legend of nothing (a UserWarning on the user's terminal)."""
+    rep = copy.deepcopy(report[0])
+    assert any(r.get("dynamic") for r in rep["results"])
+    for r in rep["results"]:
+        r["loss_increase"].pop("code")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_plot(rep, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_eval_cli(tmp_path):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -55,7 +56,9 @@ def test_help_and_argument_errors_do_not_import_torch():
         "        pass\n"
         f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-500:]
     assert "error: the following arguments are required: prompt" in proc.stderr
@@ -100,3 +103,60 @@ def test_the_demo_models_cache_is_not_written_into_the_package(tmp_path, monkeyp
     monkeypatch.setenv("MOETIDE_CACHE", str(tmp_path / "elsewhere"))
     assert default_cache_dir(demo).parent == tmp_path / "elsewhere"
     assert default_cache_dir(tmp_path) == tmp_path / ".moetide-cache"
+
+
+# -- progress output: bars on a terminal only ----------------------------------------------------------------
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_bar_draws_on_a_terminal_and_not_into_a_file(monkeypatch, capsys):
+    from moetide.progress import bar
+
+    assert list(bar(range(3), desc="work", enabled=True)) == [0, 1, 2]
+    assert capsys.readouterr().err == ""  # stderr is not a terminal under capsys
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert list(bar(range(3), desc="work", enabled=True)) == [0, 1, 2]
+    assert "\r" in terminal.getvalue() and "work" in terminal.getvalue()
+
+
+def test_serve_warm_up_writes_one_plain_line_into_a_file(capsys):
+    """`moetide serve`'s warm-up with stderr to a log: one line, no carriage-return redraw."""
+    llm = moetide.LLM(device="cpu")
+    llm.engine.warm_up(progress=True)
+    err = capsys.readouterr().err
+    assert "[moetide] warmed up:" in err and "\r" not in err, repr(err)
+
+
+def test_library_progress_bars_are_off_when_stderr_is_a_file(capsys):
+    """transformers' and huggingface_hub's bars (a checkpoint's "Loading weights") follow the same
+    rule once a command runs; `--help` does not import them to decide."""
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    from moetide.cli import main
+
+    hf_logging.enable_progress_bar()
+    enable_progress_bars()
+    try:
+        assert main(["info"]) == 0
+        assert not hf_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
+    finally:
+        hf_logging.enable_progress_bar()
+        enable_progress_bars()
+
+
+def test_progress_decisions_go_through_one_helper():
+    """No module but moetide/progress.py asks isatty() or builds a tqdm bar itself (the rule lives
+    in one place)."""
+    from pathlib import Path
+
+    src = Path(moetide.__file__).parent
+    offenders = [
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if p.name != "progress.py" and any(s in p.read_text() for s in (".isatty()", "tqdm("))
+    ]
+    assert offenders == [], offenders

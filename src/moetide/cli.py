@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(join_negative_values(parser, argv))
     try:
+        from .progress import quiet_libraries
+
+        quiet_libraries()
         return args.func(args) or 0
     except MoetideError as e:
         print(f"error: {e}", file=sys.stderr)

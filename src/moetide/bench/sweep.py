@@ -17,10 +17,10 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
 
 from ..config import POLICIES, EngineConfig, format_bytes
 from ..errors import ConfigError
+from ..progress import bar as progress_bar
 from . import runs
 from ..engine.memory import resolve_budget
 from .workload import (
@@ -158,12 +158,20 @@ def ensure_synthetic(
 
     if shape not in SHAPES:
         raise ConfigError(f"unknown synthetic shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    name = shape + "".join(f"-{_slug(k)}{v}" for k, v in sorted((overrides or {}).items()))
-    path = Path(root).expanduser() / name
-    # the tokenizer is written last: its presence means the checkpoint is complete
-    if not ((path / "model.safetensors.index.json").is_file() and (path / "tokenizer.json").is_file()):
+    path = synthetic_path(shape, root, overrides)
+    if not synthetic_written(path):
         write_synthetic_checkpoint(shape, path, progress=progress, **(overrides or {}))
     return path
+
+
+def synthetic_path(shape: str, root: str | Path, overrides: dict | None = None) -> Path:
+    name = shape + "".join(f"-{_slug(k)}{v}" for k, v in sorted((overrides or {}).items()))
+    return Path(root).expanduser() / name
+
+
+def synthetic_written(path: Path) -> bool:
+    """The tokenizer is written last: its presence means the checkpoint is complete."""
+    return (path / "model.safetensors.index.json").is_file() and (path / "tokenizer.json").is_file()
 
 
 @dataclass
@@ -222,16 +230,29 @@ def _load_trace(spec: BenchSpec, notes: list[str]):
 def _resolve_model(spec: BenchSpec, trace, notes: list[str], progress: bool) -> Path:
     """The checkpoint to run: --model, the demo model, or a synthetic shape written on first use
     (with a trace, in the trace's routing geometry)."""
+    from ..models.loader import resolve_device
+    from .host_memory import check_fits
+
+    device = str(resolve_device(spec.engine.device))
     if spec.synthetic is None:
         from ..engine.llm import demo_model_path
+        from ..models.checkpoint import load_config
 
-        return Path(spec.model).expanduser() if spec.model else demo_model_path()
+        path = Path(spec.model).expanduser() if spec.model else demo_model_path()
+        check_fits(load_config(path), device, spec.engine.dtype, f"moetide bench on {path.name}")
+        return path
     from .replay import trace_geometry_overrides
-    from .synthetic import SHAPES
+    from .synthetic import SHAPES, synthetic_config
 
+    if spec.synthetic not in SHAPES:
+        raise ConfigError(f"unknown synthetic shape {spec.synthetic!r}; choose one of {', '.join(SHAPES)}")
     overrides = {}
-    if trace is not None and spec.synthetic in SHAPES:
+    if trace is not None:
         overrides = trace_geometry_overrides(SHAPES[spec.synthetic]["model_type"], trace)
+    what = f"moetide bench --synthetic {spec.synthetic}"
+    path = synthetic_path(spec.synthetic, spec.synthetic_dir, overrides)
+    write_to = None if synthetic_written(path) else path
+    check_fits(synthetic_config(spec.synthetic, **overrides), device, spec.engine.dtype, what, write_to)
     notes.append(SYNTHETIC_NOTE if trace is None else TRACE_SYNTHETIC_NOTE)
     return ensure_synthetic(spec.synthetic, spec.synthetic_dir, overrides, progress)
 
@@ -424,7 +445,7 @@ def run_sweep(spec: BenchSpec, *, progress: bool = True) -> dict:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     rows: list[dict] = []
-    bar = tqdm(plan.runs, desc="bench", unit="run", disable=not progress, file=sys.stderr)
+    bar = progress_bar(plan.runs, desc="bench", unit="run", enabled=progress)
     for run in bar:
         bar.set_postfix_str(run_name(run))
         result = execute(spec, plan, run)

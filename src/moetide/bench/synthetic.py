@@ -125,10 +125,10 @@ def write_synthetic_checkpoint(
     """Write a random bf16 model of shape `name` to `path` (config, shards, index, tokenizer)."""
     import torch
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
 
     from ..models.loader import build_empty_model, moe_blocks
     from ..models.registry import get_adapter
+    from ..progress import bar as progress_bar
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -165,7 +165,7 @@ def write_synthetic_checkpoint(
         weight_map.update({k: fname for k in shard})
         shard, shard_size = {}, 0
 
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {name}", disable=not progress) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc=f"writing {name}", enabled=progress) as bar:
         for key, shape in entries:
             t = _random(shape, key, gen, device)
             shard[key] = t

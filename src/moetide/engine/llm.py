@@ -11,6 +11,7 @@ from ..config import EngineConfig, format_bytes, parse_bytes
 from ..errors import ConfigError
 from ..models.checkpoint import inspect_checkpoint, load_tokenizer
 from ..models.loader import LoadedModel, resolve_device
+from ..progress import on_terminal
 from ..residency import KV_BLOCK_SIZE, MAX_PREFILL_TOKENS, kv_pool_blocks
 from .assemble import load_model
 from .chat import ChatEncoder
@@ -151,7 +152,7 @@ def progress_bars(progress: bool, what: str) -> bool:
     """Progress bars only on a terminal; elsewhere (a log file, a pipe) one plain line on stderr."""
     if not progress:
         return False
-    if sys.stderr.isatty():
+    if on_terminal():
         return True
     print(f"[moetide] {what}", file=sys.stderr, flush=True)
     return False

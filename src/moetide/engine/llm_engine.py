@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..progress import on_terminal
 from .detokenize import find_stop, stable_prefix
 from .kv_blocks import BlockAllocator
 from .runner import DeviceTokens, ModelRunner
@@ -214,8 +215,9 @@ class LLMEngine:
             batches += [(1, min(n, budget)) for n in sorted(lengths)]
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         steps = 0
+        redraw = progress and on_terminal()  # a log gets the one line at the end, not every redraw
         for i, (rows, prompt_len) in enumerate(batches):
-            if progress:
+            if redraw:
                 what = f"batch {rows}" if prompt_len == 4 else f"prefill {prompt_len}"
                 print(f"\r[moetide] warming up: {what} ({i + 1}/{len(batches)})   ", end="", file=sys.stderr,
                       flush=True)  # fmt: skip
@@ -227,8 +229,8 @@ class LLMEngine:
         self.blocks.reset_counters()  # the warm-up's prompts are nobody's: the prefix counters start now
         if progress:
             captured = f", {graphs.captures} graphs" if graphs is not None else ""
-            print(f"\r[moetide] warmed up: {len(batches)} shapes{captured}          ", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            line = f"[moetide] warmed up: {len(batches)} shapes{captured}"
+            print(f"\r{line}          " if redraw else line, file=sys.stderr, flush=True)
         return steps
 
     # -- postprocess ---------------------------------------------------------------------------------

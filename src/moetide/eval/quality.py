@@ -445,10 +445,9 @@ def _run_one(spec, model_path, name, budget, geo, calibration, measured, bar) ->
 
 
 def run_eval(spec: EvalSpec, *, progress: bool = True) -> dict:
-    from tqdm.auto import tqdm
-
     from ..bench.runs import machine_info
     from ..engine.llm import demo_model_path
+    from ..progress import bar as progress_bar
 
     model_path = Path(spec.model).expanduser() if spec.model else demo_model_path()
     out = Path(spec.out)
@@ -466,7 +465,7 @@ def run_eval(spec: EvalSpec, *, progress: bool = True) -> dict:
         "results": [],
     }
     jobs = eval_jobs(spec)
-    bar = tqdm(jobs, desc="eval", unit="config", disable=not progress, file=sys.stderr)
+    bar = progress_bar(jobs, desc="eval", unit="config", enabled=progress)
     for name, budget in bar:
         bar.set_postfix_str(name if budget is None else f"{name}@{budget}")
         report["results"].append(_run_one(spec, model_path, name, budget, geo, calibration, measured, bar))

@@ -141,7 +141,8 @@ def write_plot(report: dict, path: Path) -> None:
                 for r in ok
                 if r["config"] == config and w in r["loss_increase"]
             )
-            ax.plot(*zip(*points), marker="o", label=f"dynamic {LADDER_ALIASES.get(config, config)}")
+            if points:  # a workload with no measured conversation has none
+                ax.plot(*zip(*points), marker="o", label=f"dynamic {LADDER_ALIASES.get(config, config)}")
         for r in ok:
             if not r.get("dynamic") and w in r["loss_increase"]:
                 ax.scatter(
@@ -160,7 +161,7 @@ def write_plot(report: dict, path: Path) -> None:
         ax.set_xlabel("bits per expert weight (stored bytes)")
         ax.set_ylabel("loss increase over bf16 (nats/token)")
         ax.grid(alpha=0.3)
-        if any(r.get("dynamic") for r in ok):
+        if ax.get_legend_handles_labels()[0]:  # a legend only where a line was drawn
             ax.legend(fontsize=7)
     fig.suptitle(f"held-out loss vs bits per expert weight: {Path(report['model_path']).name}")
     fig.tight_layout()

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
+from ..progress import bar as progress_bar
 from ..store.host_store import ExpertShape, HostExpertStore
 from .checkpoint import CheckpointInfo, inspect_checkpoint
 from .registry import FamilyAdapter
@@ -192,7 +192,7 @@ def _stream_shards(info, model, store, layer_to_moe: dict[int, int], dev, comput
     """Every tensor of every shard, one at a time: experts into `store`, the rest onto `dev`."""
     adapter = info.adapter
     total = sum(len(s.tensors) for s in info.shards)
-    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    bar = progress_bar(total=total, desc="loading weights", unit="tensor", enabled=progress, leave=False)
     for shard in info.shards:
         try:
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:

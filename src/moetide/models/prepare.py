@@ -6,10 +6,10 @@ is the loader's.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError
+from ..progress import on_terminal
 from ..store.formats import precision_names
 
 
@@ -29,7 +29,7 @@ def prepare(
     from .loader import load_weights
 
     # the loader's bar only on a terminal: a log gets the one line per precision the store prints
-    loaded = load_weights(model_path, device="cpu", dtype=dtype, progress=progress and sys.stderr.isatty())
+    loaded = load_weights(model_path, device="cpu", dtype=dtype, progress=progress and on_terminal())
     written = []
     for precision in precisions:
         path = ensure_precision(

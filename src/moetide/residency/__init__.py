@@ -7,11 +7,11 @@ splits the rest of the budget into slot pools and preloads what the mode keeps r
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from ..config import EngineConfig
 from ..errors import BudgetError, ConfigError
 from ..policies.registry import policy_spec
+from ..progress import bar as progress_bar
 from ..store.host_store import HostExpertStore
 from .budget import (
     KV_BLOCK_SIZE,
@@ -201,8 +201,8 @@ def build_residency(
     preload = {"all-hi": "hi", "all-lo": "lo", "lo+hi": "lo"}.get(mode)
     if preload:
         n = plan.hi_slots if preload == "hi" else plan.lo_slots
-        with tqdm(
-            total=n, desc=f"placing {preload} experts", unit="expert", disable=not progress, leave=False
+        with progress_bar(
+            total=n, desc=f"placing {preload} experts", unit="expert", enabled=progress, leave=False
         ) as bar:
             manager.preload(preload, progress=bar)
     if config.host_versions is not None:

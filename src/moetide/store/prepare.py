@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
+from ..progress import bar, on_terminal
 from .checked_file import DamagedFileError, check_tensor, open_checked, save_checked
 from .host_store import HostExpertStore
 
@@ -186,11 +186,9 @@ class _LineProgress:
 
 def progress_bar(total: int, desc: str, unit: str, enabled: bool = True):
     """A tqdm bar with rate and ETA on a terminal; one summary line otherwise; nothing if disabled."""
-    if not enabled:
-        return tqdm(total=total, disable=True)
-    if not sys.stderr.isatty():
+    if enabled and not on_terminal():
         return _LineProgress(total, desc, unit)
-    return tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)
+    return bar(total=total, desc=desc, unit=unit, enabled=enabled, leave=False)
 
 
 def ensure_precision(
