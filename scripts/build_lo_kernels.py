@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Build lo kernel sources (`csrc/lo_mma.cu`, the pipelined candidate, a variant with
-lo_mma_common.cuh beside it) into the kernel cache at once, each as `lo_cuda.build` would on first
-use, so that an A/B run (`bench_lo_cuda.py --against-source`) does not build them one after another.
+"""Build the lo kernels (`csrc/lo_mma.cu`, or the sources given, each with the headers it includes)
+into the kernel cache, as `lo_cuda.build` would on first use: a GPU machine's first run then does not
+wait ~20 s for nvcc, and a source edited by hand is checked to compile.
 
-    python scripts/build_lo_kernels.py src/moetide/compute/csrc/lo_mma*.cu [--arch 90]
+    python scripts/build_lo_kernels.py [SOURCE.cu ...] [--arch 90]
 
 `--arch` defaults to the CUDA device's ("90" for sm_90); with it given, no GPU is needed, only nvcc.
 Prints each library's path; a missing source, a failed build or no nvcc is one line on stderr, exit 2.
@@ -21,7 +21,7 @@ from moetide.compute import lo_cuda
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sources", nargs="+", type=Path)
+    ap.add_argument("sources", nargs="*", type=Path, default=[lo_cuda.SOURCE])
     ap.add_argument("--arch", default=None, help='e.g. "90"; default: the CUDA device\'s')
     args = ap.parse_args()
     missing = [str(s) for s in args.sources if not s.is_file()]

@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """Compute the fused-path and sync-free targets from raw GPU results; merge them into results/targets.json.
 
-    python scripts/record_targets.py --decode results/gpu/X/decode_step.json \
-        --layer results/gpu/X/fused_layer.json --date 2026-12-01 --commit abc1234
+    python scripts/record_targets.py --decode results/gpu/X/decode_step.json --date 2026-12-01 --commit abc1234
     python scripts/record_targets.py --sync-free results/gpu/X/decode_a.json \
         --dynamic results/gpu/X/decode_b.json --compile off --date 2026-12-01 --commit abc1234
     python scripts/record_targets.py --serve X/demo_serve.json Y/olmoe_serve.json \
@@ -72,11 +71,6 @@ def dynamic_targets(runs: list[dict]) -> dict[str, tuple[float | None, float, st
     return {"dynamic_policies_bs1_min_tok_s": (min(rates) if len(rates) == 5 else None, 100, "ge")}
 
 
-def layer_targets(rows: list[dict]) -> dict[str, tuple[float | None, float, str]]:
-    lo = [r["vs_roofline"] for r in rows if r["format"] in ("int4", "int2") and r["tokens"] in (1, 8, 32, 128)]
-    return {"lo_kernel_vs_hbm_roofline_worst": (max(lo) if lo else None, 2.0, "le")}
-
-
 def level(result: dict, clients: int) -> dict | None:
     return next((lv for lv in result["levels"] if lv["concurrency"] == clients), None)
 
@@ -108,7 +102,6 @@ def serve_pair_target(new: str, base: str) -> dict[str, tuple[float | None, floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode")
-    ap.add_argument("--layer")
     ap.add_argument("--sync-free", help="decode JSON with combined, static-int2 and the hf baseline")
     ap.add_argument("--dynamic", help="decode JSON with finemoe, dynaexq, lru, on-demand, moe-infinity at bs 1")
     ap.add_argument("--serve", nargs="+", help="bench_server.py JSONs of this engine, one per model")
@@ -128,9 +121,6 @@ def main() -> int:
     if args.dynamic:
         runs = json.loads(Path(args.dynamic).read_text())["runs"]
         found.update({k: (*v, args.dynamic) for k, v in dynamic_targets(runs).items()})
-    if args.layer:
-        rows = json.loads(Path(args.layer).read_text())["rows"]
-        found.update({k: (*v, args.layer) for k, v in layer_targets(rows).items()})
     if args.serve:
         found.update(serve_targets(args.serve))
     if args.serve_pair:

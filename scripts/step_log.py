@@ -1,4 +1,4 @@
-"""Summarise a server's step log (`MOETIDE_STEP_LOG`: one JSON line per engine-thread iteration):
+"""Summarise a server's step log (`moetide serve --step-log PATH`: one JSON line per engine-thread iteration):
 step time by kind (decode, prefill, folded), and the slowest steps with what they ran.
 
     python scripts/step_log.py STEPS.jsonl [--slowest 10]

@@ -1,4 +1,4 @@
-"""The FineMoE paper's ablation steps, for the simulator (scripts/simulate_hit_rate.py):
+"""The FineMoE paper's ablation steps, for the trace simulator (`analysis.simulator`):
 Speculate < Hit-count < Map(T) < Map(T+S) < Map(T+S+delta). Speculate is `lru`, Map(T+S+delta) is
 `finemoe`; the steps between are defined here. The engine runs none of them."""
 
