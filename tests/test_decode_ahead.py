@@ -89,7 +89,7 @@ def test_an_abort_while_a_token_is_ahead_ends_that_sequence_alone(engines):
 
 
 def test_sampled_rows_and_layer_feed_policies_read_every_step_first(engines):
-    """A row that samples (not greedy) draws on the host's generator: no step runs ahead of it. The
+    """A row that samples (not greedy) has its tokens read every step: no step runs ahead of it. The
     layer-feed policies (finemoe, lru, moe-infinity) follow each step as it runs: never ahead."""
     seeded = moetide.SamplingParams(max_tokens=8, temperature=0.8, seed=3)
     before = engines["auto"].engine.ahead_steps

@@ -486,3 +486,25 @@ def test_a_budget_smaller_than_the_free_slots_binds_the_residency():
         check_invariants(m)
     finally:
         m.close()
+
+
+def test_both_residencies_have_every_member_of_the_protocol():
+    """The engine codes against `Residency`: each implementation answers every attribute and method
+    of it (a planned one with its plan and options, the static one with None for both)."""
+    from residency_setup import STORE
+
+    from moetide.residency.metrics import ExpertMetrics
+    from moetide.residency.protocol import Residency, StaticResidency
+
+    members = set(Residency.__annotations__) | {n for n in vars(Residency) if not n.startswith("_")}
+    static = StaticResidency(STORE, ExpertMetrics(LAYERS), torch.device("cpu"))
+    planned = make_manager("hi-cache", 4, 0)
+    try:
+        for residency in (static, planned):
+            missing = sorted(n for n in members if not hasattr(residency, n))
+            assert not missing, f"{type(residency).__name__} lacks {missing}"
+        assert static.plan is None and static.options is None
+        assert planned.plan is not None and planned.options.mode == "hi-cache"
+        assert planned.resident_counts() and static.resident_counts()["hi"] == LAYERS * EXPERTS
+    finally:
+        planned.close()

@@ -108,8 +108,7 @@ def test_any_valid_parameters_sample_a_token(params):
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 30
     logits[1, 7] = 1e4  # one row with a dominant token
-    generators = [torch.Generator().manual_seed(i) for i in range(4)]
-    tokens = sample_next_tokens(logits, [params] * 4, generators)
+    tokens = sample_next_tokens(logits, [params] * 4, [(i, 0) for i in range(4)])
     assert tokens.shape == (4,) and ((0 <= tokens) & (tokens < 50)).all()
     if params.top_p < 1e-20 or params.top_k == 1 or params.temperature < 1e-100:
         assert tokens.tolist() == logits.argmax(dim=-1).tolist()  # only the top token is left
@@ -129,12 +128,11 @@ def test_a_row_that_fails_to_sample_is_reported_not_raised():
 
     def draw(params):
         errors: list = []
-        gens = [torch.Generator().manual_seed(7) for _ in params]
-        return sample_next_tokens(logits, params, gens, errors), errors
+        return sample_next_tokens(logits, params, [(7, 0)] * len(params), errors), errors
 
     alone, _ = draw([fine, fine, fine])
     mixed, errors = draw([fine, broken, fine])
     assert [i for i, _ in errors] == [1] and isinstance(errors[0][1], TypeError)
     assert mixed[[0, 2]].tolist() == alone[[0, 2]].tolist()  # the seeded rows draw the same numbers
     with pytest.raises(TypeError):
-        sample_next_tokens(logits, [fine, broken, fine], [None] * 3)
+        sample_next_tokens(logits, [fine, broken, fine], [(7, 0)] * 3)

@@ -211,10 +211,8 @@ def _warm_up(engine, replay, batch: list[BenchRequest], warmup_requests) -> None
 def _moetide_result(config: EngineConfig, loaded, engine, load_s: float) -> dict:
     """What a moetide run records besides its requests: options, memory plan, metrics, policy stats."""
     residency = loaded.runtime.residency
-    plan = getattr(residency, "plan", None)
-    snapshot = loaded.runtime.metrics.snapshot(
-        residency.resident_counts() if hasattr(residency, "resident_counts") else None
-    )
+    plan = residency.plan
+    snapshot = loaded.runtime.metrics.snapshot(residency.resident_counts())
     return {
         "engine": "moetide",
         "policy": config.policy,

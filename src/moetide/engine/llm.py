@@ -17,8 +17,8 @@ from .assemble import load_model
 from .chat import ChatEncoder
 from .kv_blocks import BlockAllocator
 from .llm_engine import PREFILL_CHUNK_TOKENS, LLMEngine
-from .paged_cache import PagedKVCache, decode_kernel_supported, use_decode_kernel
 from .memory import resolve_budget
+from .paged_cache import PagedKVCache, decode_kernel_supported, use_decode_kernel
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -78,9 +78,10 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
 
     spec = policy_spec(config.policy)
     residency = loaded.runtime.residency
-    if not spec.predicts or residency.plan is None:
+    options = residency.options
+    if not spec.predicts or options is None:
         return
-    if residency.options.mode == "all-hi":
+    if options.mode == "all-hi":
         return  # every expert fits in hi: nothing to prefetch or requantize
     layers = len(loaded.moe_layers)
     experts = loaded.store.num_experts
@@ -111,7 +112,6 @@ def attach_policy(config: EngineConfig, loaded: LoadedModel) -> None:
     loaded.policy = policy
     scheduler = getattr(policy, "precision_policy", policy)
     if hasattr(scheduler, "set_promotion_gain"):  # DynaExq ranks experts by selections x what promotion buys
-        options = residency.options
         scheduler.set_promotion_gain(loaded.store.promotion_gain(options.hi_precision, options.lo_precision))
     loaded.policy_hooks = PolicyHooks(
         loaded.model, loaded.adapter, [policy], sink=residency, runtime=loaded.runtime, in_step=in_step

@@ -334,7 +334,8 @@ class LLMEngine:
         if self.blocks.num_available < sched.decode_blocks_needed():
             return False
         return not any(
-            len(s.output_ids) + s.ahead >= s.params.max_tokens or s.num_tokens >= self.max_model_len for s in live
+            len(s.output_ids) + s.ahead >= s.params.max_tokens or s.num_tokens >= self.max_model_len
+            for s in live
         )
 
     def _decode_ahead(self, seqs: list[Sequence]) -> list[StepOutput]:
@@ -386,7 +387,7 @@ class LLMEngine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """`logits (B, V)` -> `(B,)` next tokens. A row whose sampling raises fails its sequence alone."""
         errors: list[tuple[int, Exception]] = []
-        tokens = sample_next_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs], errors)
+        tokens = sample_next_tokens(logits, [s.params for s in seqs], [s.sample_key() for s in seqs], errors)
         for i, exc in errors:
             _fail(seqs[i], "sampling", exc)
         return tokens

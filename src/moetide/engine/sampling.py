@@ -2,6 +2,14 @@
 
 Shapes: logits (B, V) float32 for the B sequences decoded this step.
 
+The sampler is one batched call on the logits' device: temperature, top-k and top-p as tensors of
+one value per row, then one token per row. Each row's randomness comes from its key `(seed,
+draw)`: a counter-based hash of (seed, draw, token id) gives a uniform number per token, and the
+token drawn is `argmax(p / q)` with `q = -log(u) ~ Exp(1)` (what `torch.multinomial` does for one
+sample), so a row's token depends on its own logits, parameters and key only: not on the batch,
+the device's random state or the other rows. The engine keys a sequence's draws by its seed and
+the position of the token drawn; a request without a seed gets one from torch's generator.
+
 Every valid parameter samples: the most likely token always survives top-k and top-p (a top_p that
 rounds to 0 in float32 keeps it alone), and logits are shifted by their maximum before the division
 by the temperature, so a tiny temperature cannot overflow to inf/NaN.
@@ -48,61 +56,100 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (-inf) logits outside top-k and outside the top-p nucleus: `(V,)` -> `(V,)`.
+_M32 = 0xFFFFFFFF
+_TINY = torch.finfo(torch.float32).tiny
 
-    The most likely token is never masked, whatever `top_k` / `top_p` are.
-    """
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Counter-based uniforms: `seeds (B,)`, `draws (B,)` int64 -> `(B, vocab)` float32 in (0, 1),
+    a function of (seed, draw, token id) alone, the same on every device."""
+    row = _mix32(_mix32(_mix32((seeds >> 32) & _M32) ^ (seeds & _M32)) ^ (draws & _M32))
+    tokens = _mix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64))
+    bits = _mix32((row[:, None] + tokens[None, :] * 0x9E3779B9) & _M32)
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def _row_values(params: list[SamplingParams], vocab: int) -> tuple[list[float], list[int], list[float]]:
+    """Per row: temperature (at least float32's smallest normal), top-k (`vocab`: off), top-p (2.0:
+    off), from the parameters on the host (a row whose parameters do not compare raises here)."""
+    temps, ks, ps = [], [], []
+    for p in params:
+        temps.append(max(p.temperature, _TINY))
+        ks.append(p.top_k if 0 < p.top_k < vocab else vocab)
+        ps.append(p.top_p if p.top_p < 1.0 else 2.0)
+    return temps, ks, ps
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: `logits (B, V)` float32 -> `(B, V)` float32, each
+    row's temperature applied and the tokens outside its top-k and its top-p nucleus at 0.
+
+    The most likely token is never masked, whatever `top_k` / `top_p` are."""
+    vocab = logits.shape[-1]
+    temps, ks, ps = _row_values(params, vocab)
+    dev = logits.device
+    temp = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
+    # shifted so the maximum is 0: dividing by a tiny temperature gives -inf at worst, never inf or NaN
+    rows = (logits - logits.max(dim=-1, keepdim=True).values) / temp[:, None]
+    if any(k < vocab for k in ks):
+        k = torch.tensor(ks, dtype=torch.int64).to(dev, non_blocking=True)
+        kth = torch.sort(rows, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        rows = rows.masked_fill(rows < kth, float("-inf"))
+    if any(p <= 1.0 for p in ps):
+        top_p = torch.tensor(ps, dtype=torch.float32).to(dev, non_blocking=True)
+        sorted_rows, order = torch.sort(rows, dim=-1, descending=True)
+        probs = torch.softmax(sorted_rows, dim=-1)
         # keep the smallest prefix whose mass reaches top_p; the mass before a token is computed in
         # float32, where a top_p below ~1e-45 is 0, so the first token is kept explicitly
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        drop[0] = False
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
-    return logits
-
-
-def sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token from one row: `logits (V,)` float32 -> `()` int64 (on the CPU unless greedy)."""
-    if p.greedy:
-        return logits.argmax()
-    # shifted so the maximum is 0, and a temperature no smaller than float32's smallest normal number
-    # (a smaller one is 0 in float32, and 0/0 is NaN): dividing gives -inf at worst, never inf or NaN
-    row = (logits - logits.max()) / max(p.temperature, torch.finfo(torch.float32).tiny)
-    row = _filter_top_k_top_p(row, p.top_k, p.top_p)
-    probs = torch.softmax(row, dim=-1)
-    # generator lives on the CPU so seeded runs give the same tokens on any device
-    return torch.multinomial(probs.cpu(), 1, generator=generator)[0]
+        drop = probs.cumsum(dim=-1) - probs >= top_p[:, None]
+        drop[:, 0] = False
+        rows = rows.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    return torch.softmax(rows, dim=-1)
 
 
 def sample_next_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    keys: list[tuple[int, int]],
     errors: list[tuple[int, Exception]] | None = None,
 ) -> torch.Tensor:
-    """One token per row: `logits (B, V)` -> `(B,)` int64 on the logits' device.
+    """One token per row: `logits (B, V)` -> `(B,)` int64 on the logits' device, in one batched call
+    (no host sync): greedy rows take their argmax, the others draw from `filtered_probs` with the
+    noise of their key `(seed, draw)` (int64 seed, and a draw number the row never reuses).
 
-    With `errors` given, a row whose sampling raises gets its argmax and `(row, exception)` is appended
-    there instead of failing the whole batch; each row is sampled once, so a seeded row draws the same
-    numbers whether or not another row fails.
+    With `errors` given, a row whose parameters cannot be read gets its argmax and `(row,
+    exception)` is appended there instead of failing the whole batch; the other rows draw the same
+    tokens as without it.
     """
     logits = logits.float()
-    if all(p.greedy for p in params):
-        return logits.argmax(dim=-1)
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for i, (p, gen) in enumerate(zip(params, generators, strict=True)):
+    greedy = logits.argmax(dim=-1)
+    rows: list[int] = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
         try:
-            out[i] = sample_row(logits[i], p, gen)
+            _row_values([p], logits.shape[-1])
         except Exception as exc:
             if errors is None:
                 raise
             errors.append((i, exc))
-            out[i] = logits[i].argmax()
-    return out
+            continue
+        rows.append(i)
+    if not rows:
+        return greedy
+    dev = logits.device
+    index = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    seeds = torch.tensor([keys[i][0] for i in rows], dtype=torch.int64).to(dev, non_blocking=True)
+    draws = torch.tensor([keys[i][1] for i in rows], dtype=torch.int64).to(dev, non_blocking=True)
+    probs = filtered_probs(logits.index_select(0, index), [params[i] for i in rows])
+    q = -torch.log(uniform_noise(seeds, draws, logits.shape[-1]))  # Exp(1), never 0
+    return greedy.index_copy(0, index, (probs / q).argmax(dim=-1))

@@ -36,7 +36,8 @@ class Sequence:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    # the key of this sequence's draws (engine/sampling.py): its seed, or one from torch's generator
+    sample_seed: int = 0
     # the paged KV cache (engine/kv_blocks.py): the blocks holding this sequence's tokens in
     # order, how many tokens' KV they hold, how many of them are full and hashed for the prefix
     # cache; all reset when the sequence is preempted (its KV is recomputed on re-admission)
@@ -50,8 +51,15 @@ class Sequence:
     ahead: int = 0
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        seed = self.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        self.sample_seed = seed & (2**63 - 1)
+
+    def sample_key(self) -> tuple[int, int]:
+        """`(seed, draw)` of the token sampled now: the draw is its position, so each draw is new and a
+        seeded request gives the same tokens whatever else is batched with it."""
+        return self.sample_seed, self.num_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -3,8 +3,8 @@
 Every residency gives each MoE layer a device table (`step_table`), read by the kernel with no host
 decision, and the pools it names (`kernel_pools`). The engine brackets each forward with
 `begin_step` / `end_step`, and, where `accounts` is true, hands the residency each finished step's
-uses one step later (`observe_step`). A residency with a memory plan (`plan` not None) is also the
-`ExpertSink` that policies steer (`policies/base.py`).
+uses one step later (`observe_step`). A residency with a memory plan (`plan` and `options` not
+None) is also the `ExpertSink` that policies steer (`policies/base.py`).
 
 Implementations: `core.ResidencyManager` (pools under a budget) and `StaticResidency` (every expert
 in hi at a fixed slot, no budget: the CPU's host store used in place, or one copy on the device).
@@ -20,11 +20,13 @@ import torch
 from ..store.host_store import HostExpertStore
 from .budget import MemoryPlan
 from .metrics import ExpertMetrics
+from .options import ResidencyOptions
 from .slot_table import pool_for
 
 
 class Residency(Protocol):
     plan: MemoryPlan | None  # None: no budget, nothing to steer
+    options: ResidencyOptions | None  # the memory mode, precisions and rules (None with no plan)
     pool_ids: dict[str, int]  # a pool's name -> its index in `kernel_pools`
 
     @property
@@ -66,6 +68,7 @@ class StaticResidency:
     store's hi arena itself (host memory is the device's), on a GPU one copy of it made up front."""
 
     plan = None
+    options = None
     pool_ids: ClassVar[dict[str, int]] = {"hi": 0}
     accounts = False
 
