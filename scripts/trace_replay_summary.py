@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Hit rates and ratios of `moetide bench --trace` runs at several prefetch distances, as one small JSON.
 
-    python scripts/trace_replay_summary.py d1=OUT1 d2=OUT2 d3=OUT3 --out results/X/summary.json
+    python scripts/trace_replay_summary.py d1=OUT1,OUT1b d2=OUT2 d3=OUT3 --out results/X/summary.json
 
-Each OUT is a bench output directory (its summary.json and runs/*.json). Per distance and policy: the
+Each OUT is a bench output directory (its summary.json and runs/*.json); several, comma-separated,
+are merged (runs of one distance split over processes). Per distance and policy: the
 hit rate (for dynaexq and combined, the share of expert uses served in hi), lo-run rate, prefetches
 issued / used, miss fills and FineMoE's searches; per distance: finemoe / lru, finemoe / moe-infinity
 and combined / dynaexq (`combined_hi_use_share_vs_dynaexq`), where both runs are there.
@@ -58,13 +59,15 @@ def ratio(rows: dict, a: str, b: str) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dirs", nargs="+", help="LABEL=DIR, one per prefetch distance")
+    ap.add_argument("dirs", nargs="+", help="LABEL=DIR[,DIR...], one per prefetch distance")
     ap.add_argument("--out", default=None, help="write the summary here (default: stdout only)")
     args = ap.parse_args()
     result = {}
     for item in args.dirs:
-        label, _, path = item.partition("=")
-        rows = policy_rows(Path(path))
+        label, _, paths = item.partition("=")
+        rows = {}
+        for path in paths.split(","):
+            rows.update(policy_rows(Path(path)))
         result[label] = {
             "policies": rows,
             "finemoe_vs_lru_hit_rate": ratio(rows, "finemoe", "lru"),
