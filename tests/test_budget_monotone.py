@@ -24,7 +24,7 @@ from moetide.models.checkpoint import load_tokenizer
 from moetide.models.registry import get_adapter
 
 MIB = 1 << 20
-POLICIES = ("combined", "dynaexq", "lru", "on-demand", "finemoe")
+POLICIES = ("combined", "dynaexq", "lru", "on-demand")
 PROMPTS = ("How do I reverse a list in Python?", "Write a haiku about the sea.")
 TOKENS = 12  # per request: one prefill step, then decode steps
 ALL_HI = 200 * MIB  # above it every expert fits in hi on the demo model (96 MiB of float32 experts)
@@ -79,18 +79,32 @@ def ordered(trace):
     return trace_requests(trace, 8192)[1]
 
 
-@settings(
-    max_examples=6,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
-@given(policy=st.sampled_from(POLICIES), low=st.integers(0, 110), extra=st.integers(1, 150))
-def test_a_larger_budget_never_gives_a_lower_hi_hit_rate(ordered, policy, low, extra):
+ANCHORS = (0, 4, 64)  # MiB above the smallest budget: a hi pool of top-k slots, of a dozen, of most
+
+
+@pytest.fixture(scope="module")
+def rates(ordered):
+    """`rate(policy, budget)`: `hi_hit_rate`, each measured once per module."""
+    cache: dict[tuple[str, int], float] = {}
+
+    def rate(policy: str, budget: int) -> float:
+        if (policy, budget) not in cache:
+            cache[policy, budget] = hi_hit_rate(policy, budget, ordered)
+        return cache[policy, budget]
+
+    return rate
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(drawn=st.integers(0, 150))
+def test_a_larger_budget_never_gives_a_lower_hi_hit_rate(rates, policy, drawn):
+    """Over the anchors and a drawn budget between the smallest and every expert in hi, sorted."""
     smallest = minimum_budget(_config(policy, None), model_bytes(_config(policy, None)))
-    small = smallest + low * MIB
-    large = small + extra * MIB
-    assert hi_hit_rate(policy, large, ordered) >= hi_hit_rate(policy, small, ordered)
+    budgets = sorted({smallest + mib * MIB for mib in (*ANCHORS, drawn)})
+    hit = [rates(policy, b) for b in budgets]
+    for (b0, h0), (b1, h1) in zip(zip(budgets, hit), zip(budgets[1:], hit[1:])):
+        assert h1 >= h0, f"{policy}: {b1 / MIB:.1f} MiB hit rate {h1:.4f} < {h0:.4f} at {b0 / MIB:.1f} MiB"
 
 
 @pytest.mark.parametrize("policy", ["combined", "lru"])
