@@ -137,13 +137,15 @@ def test_every_cpu_line_of_the_readme_runs(readme_env, monkeypatch):  # long: on
                 elif kind == "pytest":
                     argv = shlex.split(command)[1:]
                     proc = subprocess.run(
-                        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+                        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=600,
                         check=False,
                     )  # fmt: skip
                     assert proc.returncode == 0, f"{line}\n{proc.stdout[-3000:]}"
                 elif kind == "shell":
                     proc = subprocess.run(
-                        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+                        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=300,
                         check=False,
                     )  # fmt: skip
                     assert proc.returncode == 0, f"{line}\n{proc.stderr[-2000:]}"
