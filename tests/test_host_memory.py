@@ -55,7 +55,7 @@ def _run(policy, cpu_memory, **kw):
         ("static-int4", {}),
         ("no-offload", {"gpu_memory": "100%"}),
         ("combined", {"hi_precision": "int4"}),
-    ],  # fmt: skip
+    ],
 )
 def test_capped_runs_keep_host_allocations_inside_the_cap_and_give_the_uncapped_tokens(
     policy, extra, host_samples
@@ -94,10 +94,11 @@ def test_lo_versions_quantized_from_the_map_in_batches_inside_the_cap_equal_thos
     store = llm.loaded.store
     assert store.hi_mapped and store.versions["int4"].equal(expected)
     batches = [(nbytes, used) for cat, nbytes, ok, used in host_samples if cat == "batch"]
-    assert len(batches) > 1 and all(
-        used <= CAP for _, used in batches
-    )  # several batches, each inside the cap
-    assert store.budget.reserved["batch"] == 0  # every batch was released
+    # one buffer, reused by every batch, holding fewer experts than there are
+    ((batch, used),), every = batches, store.num_layers * store.num_experts
+    assert used <= CAP and batch < every * store.shape.hi_nbytes
+    assert store.mapped.reads == every  # each expert read from the map once
+    assert store.budget.reserved["batch"] == 0  # released once quantized
     llm.close()
 
 
@@ -144,3 +145,34 @@ def test_info_prints_what_each_policy_needs_at_the_given_budgets(capsys):
             and typed_size(needs.full) in rows[policy].split()
         )
     assert "staged" in rows["combined"] and "every hi version" in rows["lru"]
+
+
+def test_prepare_under_a_cap_streams_the_experts_from_the_map_without_their_hi_copy(tmp_path):
+    """The peak RSS of `prepare` under a cap stays below the uncapped run's by most of the hi arena
+    (the experts are read from the map in batches; each batch's pages leave the resident set), and
+    both write the same cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moetide.config import EngineConfig
+    from moetide.engine.llm import demo_model_path
+
+    def run(folder, *cap):
+        env = dict(os.environ, PYTHONPATH=str(Path(moetide.__file__).parents[1]))
+        script = Path(__file__).with_name("prepare_rss.py")
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / folder), *map(str, cap)],
+                             capture_output=True, text=True, env=env, check=True)  # fmt: skip
+        return json.loads(out.stdout.splitlines()[-1])
+
+    uncapped, capped = run("a"), run("b", CAP)
+    hi_all = model_bytes(EngineConfig(model=str(demo_model_path()), device="cpu")).all_experts_hi_bytes
+    assert capped["peak"] - capped["base"] <= uncapped["peak"] - uncapped["base"] - hi_all // 2
+    (a,), (b,) = (list((tmp_path / f).iterdir()) for f in "ab")
+    from safetensors import safe_open
+
+    with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
+        assert a.name == b.name and fa.metadata() == fb.metadata()  # the same arena hash and layout
+        assert fa.get_tensor("arena").equal(fb.get_tensor("arena"))
