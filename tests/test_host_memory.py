@@ -103,12 +103,19 @@ def test_lo_versions_quantized_from_the_map_in_batches_inside_the_cap_equal_thos
 
 
 def test_without_deterministic_a_hi_version_only_on_disk_is_staged_in_the_background():
+    import threading
+
     llm = moetide.LLM(device="cpu", policy="combined", cpu_memory=CAP, gpu_memory="40%", max_num_seqs=2)
+    at_start = dict(llm.loaded.store.mapped.reads_by_thread)
     out = llm.generate(PROMPTS * 3, moetide.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     snap = llm.metrics.snapshot()
     assert all(len(o.token_ids) == 24 for o in out)
     assert snap["host_cache_requests"] > 0 and snap["disk_reads"] > 0  # the stager read them
     assert snap["host_cache_hits"] > 0 and snap["host_peak_bytes"] <= CAP
+    reads = llm.loaded.store.mapped.reads_by_thread
+    forward = threading.current_thread().name
+    assert reads.get(forward, 0) == at_start.get(forward, 0)  # no disk read on the forward thread
+    assert reads["moetide-stager"] > at_start.get("moetide-stager", 0)
     llm.close()
 
 

@@ -73,6 +73,7 @@ class MappedExperts:
         self.reads = 0  # experts read from the map
         self.read_bytes = 0  # checkpoint bytes those reads covered
         self.read_s = 0.0  # seconds spent reading (page faults included)
+        self.reads_by_thread: dict[str, int] = {}  # thread name -> experts it read
 
     def has(self, layer: int, expert: int, role: str) -> bool:
         return (layer, expert, role) in self.index
@@ -106,6 +107,8 @@ class MappedExperts:
             self.reads += 1
             self.read_bytes += nbytes
             self.read_s += time.perf_counter() - start
+            name = threading.current_thread().name
+            self.reads_by_thread[name] = self.reads_by_thread.get(name, 0) + 1
 
     def _drop_pages(self, layer: int, expert: int, role: str) -> None:
         """Unmap the pages of one tensor that has been copied out: they stay in the page cache,
