@@ -125,7 +125,17 @@ def test_a_cap_too_small_is_refused_before_the_load_naming_the_smallest_that_wor
     smallest = re.search(r"--cpu-memory (\S+)$", str(e.value)).group(1)
     llm = moetide.LLM(device="cpu", policy="combined", cpu_memory=smallest, gpu_memory="40%", max_num_seqs=2)
     assert len(llm.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    config = llm.config
     llm.close()
+    needs = host_needs(config, model_bytes(config), "cpu")  # exact: the typed value above is rounded up
+    with pytest.raises(BudgetError, match="smallest host budget for combined"):
+        moetide.LLM(device="cpu", policy="combined", cpu_memory=needs.minimum - 1, gpu_memory="40%")
+    exact = moetide.LLM(
+        device="cpu", policy="combined", cpu_memory=needs.minimum, gpu_memory="40%", max_num_seqs=2
+    )
+    assert exact.loaded.store.staged.num_slots == needs.staged_slots == 4  # the demo model's top-k
+    assert len(exact.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    exact.close()
     with pytest.raises(BudgetError, match=r"smallest host budget for lru is --cpu-memory 96MiB"):
         moetide.LLM(device="cpu", policy="lru", cpu_memory=CAP, gpu_memory="40%")  # misses read host hi
 
