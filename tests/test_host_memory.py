@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 import moetide
 from moetide.engine.host_memory import host_needs
@@ -193,3 +194,53 @@ def test_prepare_under_a_cap_streams_the_experts_from_the_map_without_their_hi_c
     with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
         assert a.name == b.name and fa.metadata() == fb.metadata()  # the same arena hash and layout
         assert fa.get_tensor("arena").equal(fb.get_tensor("arena"))
+
+
+def test_staged_slots_hold_the_checkpoints_values_and_are_not_reused_while_a_copy_reads_them():
+    """`StagedHi` over the mapped demo checkpoint, one slot: a staged version equals the checkpoint's
+    tensors; while the slot is held (handed out, copy not started) or fenced (copy in flight) no
+    other expert takes it; once released, the next request is staged into it."""
+    import time
+
+    from safetensors import safe_open
+
+    from moetide.engine.llm import demo_model_path
+    from moetide.models.checkpoint import inspect_checkpoint
+    from moetide.residency.transfer import ThreadEvent
+    from moetide.store.host_store import ExpertShape, hi_views
+    from moetide.store.mapped import MappedExperts
+    from moetide.store.staging import StagedHi
+
+    info = inspect_checkpoint(demo_model_path())
+    layers = info.config.num_hidden_layers
+    mapped = MappedExperts(info, {i: i for i in range(layers)})
+    shape = ExpertShape(info.config.hidden_size, info.adapter.expert_intermediate(info.config), torch.float32)
+    budget = BudgetTracker(shape.hi_nbytes)
+    staged = StagedHi(mapped, shape, layers, 32, 1, pin_memory=False, budget=budget)
+    assert budget.used_bytes == shape.hi_nbytes and not budget.try_reserve(
+        1, "more"
+    )  # the slot fills the cap
+
+    def staged_soon(layer, expert):
+        staged.wait_idle()
+        return staged.get(layer, expert)
+
+    assert staged.get(1, 2) is None  # only on disk: queued
+    buffer = staged_soon(1, 2)  # now staged, and held for a copy
+    views = hi_views(buffer, shape)
+    name = info.adapter.expert_checkpoint_key(1, 2, "gate")
+    shard = next(s.path for s in info.shards if name in s.tensors)
+    with safe_open(str(shard), "pt") as f:
+        assert views["gate_up"][: shape.intermediate].equal(f.get_tensor(name).float())
+    assert staged.get(3, 4) is None
+    time.sleep(0.05)
+    assert staged.staged_rows() == [1 * 32 + 2]  # held: (3, 4) cannot take the slot
+    copy_done = ThreadEvent()
+    staged.fence(buffer, copy_done)
+    time.sleep(0.05)
+    assert staged.staged_rows() == [1 * 32 + 2]  # fenced by a copy in flight
+    copy_done.set()
+    assert staged_soon(3, 4) is not None and staged.staged_rows() == [3 * 32 + 4]
+    staged.unhold(staged.arena[0])
+    staged.close()
+    mapped.close()

@@ -362,6 +362,7 @@ class ResidencyManager:
             return False
         fill = self.queue.take_fill(layer, expert)  # caching a miss: not a prediction, never dropped
         if not fill and self.queue.link_full():
+            unhold(self.store, src)
             self.metrics.bump("deferred")
             return False
         if in_step is not None:
