@@ -116,6 +116,7 @@ def cmd_bench(args) -> int:
     if args.record_trace:
         return _record(args)
     from ..cli_args import precision_options_from_args
+    from ..config import parse_bytes
     from .sweep import BenchSpec, run_sweep
 
     policies = _list(args.policy)
@@ -145,6 +146,7 @@ def cmd_bench(args) -> int:
         lo_precision=args.lo_precision,
         on_miss=args.on_miss,
         prefetch_distance=args.prefetch_distance,
+        cpu_memory_bytes=parse_bytes(args.cpu_memory) if args.cpu_memory else None,
         seed=args.seed,
         **precision_options_from_args(args),
         out=args.out,

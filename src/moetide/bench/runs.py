@@ -217,6 +217,7 @@ def _moetide_result(config: EngineConfig, loaded, engine, load_s: float) -> dict
         "engine": "moetide",
         "policy": config.policy,
         "budget_bytes": config.gpu_memory_bytes,
+        "cpu_memory_bytes": config.cpu_memory_bytes,  # the host cap asked for (None: the machine's spare)
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "load_s": load_s,
@@ -510,7 +511,9 @@ def bench_hf(
     vocab = model.config.vocab_size
     ids = torch.tensor([prompt_ids(vocab, prompt_len, seed=1)], device="cuda")
     # warm-up as long as the timed run (see bench_moetide); hf-offload (~1 s/token) keeps it short
-    ttft, total = timed_hf_generate(model, ids, new_tokens, warmup_tokens=(2 if offload_budget else new_tokens,))
+    ttft, total = timed_hf_generate(
+        model, ids, new_tokens, warmup_tokens=(2 if offload_budget else new_tokens,)
+    )
     tpot = (total - ttft) / (new_tokens - 1)
     result = {
         "engine": "hf-offload" if offload_budget else "hf",
@@ -528,7 +531,9 @@ def bench_hf(
     return result
 
 
-def timed_hf_generate(model, ids: torch.Tensor, new_tokens: int, *, warmup_tokens=(), **gen) -> tuple[float, float]:
+def timed_hf_generate(
+    model, ids: torch.Tensor, new_tokens: int, *, warmup_tokens=(), **gen
+) -> tuple[float, float]:
     """transformers' `generate` on `ids (B, S)` (CUDA), after untimed runs of `warmup_tokens` new
     tokens each: (seconds of a one-token run, i.e. TTFT; seconds of a `new_tokens` run)."""
     gen = {"do_sample": False, "eos_token_id": None, "pad_token_id": 2, **gen}

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CheckpointError, ConfigError
+from ..config import format_bytes, parse_bytes
+from ..errors import BudgetError, CheckpointError, ConfigError
 from ..progress import on_terminal
 from ..store.formats import precision_names
 
@@ -20,16 +21,53 @@ def prepare(
     cache_dir: str | None = None,
     dtype: str = "auto",
     progress: bool = True,
+    cpu_memory_bytes: int | None = None,
 ) -> list[Path]:
     """Read the checkpoint's experts into a host store and write each lo precision's cache.
 
     The cache key depends on the values quantized, not on the storage dtype, so what this writes is
-    what `generate`/`serve`/`bench` read on any device (given the same `--cache-dir`)."""
-    from ..store.prepare import ensure_precision
+    what `generate`/`serve`/`bench` read on any device (given the same `--cache-dir`).
+    `cpu_memory_bytes`: the host cap on expert versions (None: what the machine can spare); below
+    every hi version + the largest lo version, the experts are read from the mapped checkpoint
+    through the quantizer in batches inside the cap, and each lo version is freed once written."""
+    from ..engine.host_memory import machine_spare_bytes
+    from ..residency.budget import BudgetTracker
     from .loader import load_weights
 
+    cap = cpu_memory_bytes if cpu_memory_bytes is not None else machine_spare_bytes()
+    map_hi = _check_cap(model_path, precisions, dtype, cap, cpu_memory_bytes is not None)
     # the loader's bar only on a terminal: a log gets the one line per precision the store prints
-    loaded = load_weights(model_path, device="cpu", dtype=dtype, progress=progress and on_terminal())
+    loaded = load_weights(model_path, device="cpu", dtype=dtype, progress=progress and on_terminal(),
+                          host_budget=BudgetTracker(cap), map_hi=map_hi)  # fmt: skip
+    try:
+        return _write_caches(loaded, precisions, cache_dir, progress, map_hi)
+    finally:
+        loaded.store.close()
+
+
+def _check_cap(model_path, precisions, dtype: str, cap: int, given: bool) -> bool:
+    """True when `cap` is below every hi version + the largest lo version (the experts are then read
+    from the map); BudgetError below the largest lo version + one expert (one batch)."""
+    from ..config import EngineConfig
+    from ..engine.memory import model_bytes, typed_size
+
+    mb = model_bytes(EngineConfig(model=str(model_path), device="cpu", dtype=dtype))
+    largest = max(mb.slot_bytes(p) for p in precisions) * mb.num_experts_total
+    if cap >= mb.all_experts_hi_bytes + largest:
+        return False
+    minimum = largest + mb.hi_expert_bytes
+    if cap < minimum:
+        what = "--cpu-memory" if given else "what this machine can spare"
+        raise BudgetError(
+            f"quantizing to {', '.join(precisions)} holds {format_bytes(minimum)} of expert versions at least,"
+            f" more than {what} ({format_bytes(cap)}); the smallest host budget is --cpu-memory {typed_size(minimum)}"
+        )
+    return True
+
+
+def _write_caches(loaded, precisions, cache_dir, progress: bool, map_hi: bool) -> list[Path]:
+    from ..store.prepare import ensure_precision
+
     written = []
     for precision in precisions:
         path = ensure_precision(
@@ -44,6 +82,8 @@ def prepare(
                 f"cannot write the prepared cache next to {loaded.info.path}; pass --cache-dir"
             )
         written.append(path)
+        if map_hi:  # written: its host copy makes room for the next precision
+            loaded.store.drop_precision(precision)
     return written
 
 
@@ -65,6 +105,12 @@ def register_cli(subparsers) -> None:
         help="storage dtype while quantizing (auto: what the runtime uses here); the cache it writes"
         " serves every storage dtype of the same checkpoint values",
     )
+    p.add_argument(
+        "--cpu-memory",
+        default=None,
+        help="cap on host memory for expert versions, e.g. 24GiB (default: what the machine can spare);"
+        " below the experts, they are read from the mapped checkpoint in batches",
+    )
     p.set_defaults(func=_cmd_prepare)
 
 
@@ -74,6 +120,9 @@ def _cmd_prepare(args) -> int:
     if bad or not precisions:
         names = ", ".join(precision_names(low_bit_only=True))
         raise ConfigError(f"--lo takes one or more of {names} (comma-separated), got {args.lo!r}")
-    for path in prepare(args.model, precisions, cache_dir=args.cache_dir, dtype=args.dtype):
+    cap = parse_bytes(args.cpu_memory) if args.cpu_memory else None
+    for path in prepare(
+        args.model, precisions, cache_dir=args.cache_dir, dtype=args.dtype, cpu_memory_bytes=cap
+    ):
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0

@@ -142,21 +142,26 @@ class HostExpertStore:
         return self.staged.get(layer, expert) if self.staged is not None else None
 
     @contextmanager
-    def hi_batch(self, start: int, stop: int):
-        """Typed hi views `gate_up (G, 2I, H)`, `down (G, H, I)` of rows `start..stop-1`: views of the
-        hi arena, or (mapped) a temporary read from the map, reserved in the budget while it lives."""
+    def hi_batches(self, step: int):
+        """A function `rows(start, stop)` -> typed hi views `gate_up (G, 2I, H)`, `down (G, H, I)` of
+        rows `start..stop-1` (G <= `step`): views of the hi arena, or (mapped) the rows read from the
+        map into one buffer of `step` experts, reserved in the budget while the context lives and
+        reused by every batch (the views of a batch are valid until the next call)."""
         if "hi" in self.versions:
-            yield hi_group_views(self.versions["hi"][start:stop], self.shape)
+            yield lambda start, stop: hi_group_views(self.versions["hi"][start:stop], self.shape)
             return
-        nbytes = (stop - start) * self.shape.hi_nbytes
-        self.budget.reserve(nbytes, "batch", f"a batch of {stop - start} hi experts read from the checkpoint")
-        try:
-            rows = torch.empty((stop - start, self.shape.hi_nbytes), dtype=torch.uint8)
+        nbytes = step * self.shape.hi_nbytes
+        self.budget.reserve(nbytes, "batch", f"a batch of {step} hi experts read from the checkpoint")
+        buffer = torch.empty((step, self.shape.hi_nbytes), dtype=torch.uint8)
+
+        def rows(start: int, stop: int):
             for i, row in enumerate(range(start, stop)):
                 layer, expert = divmod(row, self.num_experts)
-                self.mapped.read_into(layer, expert, hi_views(rows[i], self.shape), self.shape.intermediate)
-            yield hi_group_views(rows, self.shape)
-            del rows
+                self.mapped.read_into(layer, expert, hi_views(buffer[i], self.shape), self.shape.intermediate)
+            return hi_group_views(buffer[: stop - start], self.shape)
+
+        try:
+            yield rows
         finally:
             self.budget.release(nbytes, "batch")
 
@@ -243,12 +248,13 @@ class HostExpertStore:
         if self.hi_mapped:  # the batch read from the map stays inside what the budget has left
             left = self.budget.total_bytes - self.budget.used_bytes
             step = max(1, min(step, left // shape.hi_nbytes))
-        for start in range(0, arena.shape[0], step):
-            stop = min(start + step, arena.shape[0])
-            with self.hi_batch(start, stop) as (gate_up, down):
+        with self.hi_batches(step) as hi_rows:
+            for start in range(0, arena.shape[0], step):
+                stop = min(start + step, arena.shape[0])
+                gate_up, down = hi_rows(start, stop)
                 self._quantize_rows(arena, meta, start, stop, gate_up, down, device, hessians)
-            if progress is not None:
-                progress.update(stop - start)
+                if progress is not None:
+                    progress.update(stop - start)
 
     @staticmethod
     def _quantize_rows(arena, meta, start, stop, gate_up, down, device, hessians) -> None:

@@ -73,6 +73,7 @@ class MappedExperts:
         self.reads = 0  # experts read from the map
         self.read_bytes = 0  # checkpoint bytes those reads covered
         self.read_s = 0.0  # seconds spent reading (page faults included)
+        self.reads_by_thread: dict[str, int] = {}  # thread name -> experts it read
 
     def has(self, layer: int, expert: int, role: str) -> bool:
         return (layer, expert, role) in self.index
@@ -101,10 +102,22 @@ class MappedExperts:
                 )
             target.copy_(src)
             nbytes += src.numel() * src.element_size()
+            self._drop_pages(layer, expert, role)
         with self._lock:
             self.reads += 1
             self.read_bytes += nbytes
             self.read_s += time.perf_counter() - start
+            name = threading.current_thread().name
+            self.reads_by_thread[name] = self.reads_by_thread.get(name, 0) + 1
+
+    def _drop_pages(self, layer: int, expert: int, role: str) -> None:
+        """Unmap the pages of one tensor that has been copied out: they stay in the page cache,
+        but leave this process's resident set (a file-backed map's pages count in RSS)."""
+        number, dtype, shape, offset = self.index[(layer, expert, role)]
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        stop = (offset + shape[0] * shape[1] * dtype.itemsize) // mmap.PAGESIZE * mmap.PAGESIZE
+        if stop > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._maps[number].madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def close(self) -> None:
         self._bytes = []

@@ -173,7 +173,13 @@ class _LineProgress:
         self.start = time.perf_counter()
 
     def update(self, n: int = 1) -> None:
-        self.n += n
+        before, self.n = self.n, self.n + n
+        tenth = max(1, self.total // 10)
+        if self.n < self.total and before // tenth != self.n // tenth:  # a line every tenth, with an ETA
+            seconds = time.perf_counter() - self.start
+            eta = seconds * (self.total - self.n) / self.n
+            print(f"{self.desc}: {self.n}/{self.total} {self.unit}s, {seconds:.1f} s, ETA {eta:.1f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def __enter__(self):
         return self
