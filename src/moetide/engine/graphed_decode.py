@@ -192,9 +192,6 @@ class GraphedDecoder:
         self.max_rows = max_rows
         self.row_buckets = row_buckets
         self.max_width = max_width
-        # compiled or not, decode steps may attend from the pools in place: the attention kernel is
-        # an operator dynamo does not trace (`paged_attention.paged_decode_attention_op`)
-        self.in_place = True
         self.modules = list(model.modules())  # the tree is fixed once the runtime is assembled
         self.hooks_at_start = count_forward_hooks(self.modules)
         self.states: OrderedDict[tuple[int, int], PagedDecodeState] = OrderedDict()
@@ -234,7 +231,9 @@ class GraphedDecoder:
         """Blocks per row of the buffers for `batch`: its widest table rounded up to `column_bucket`
         tokens times a power of two; `max_width` where the cache's decode attention reads the pools
         in place (its work follows each row's length, so one width serves every batch)."""
-        in_place = self.kv.decode_kernel and self.in_place
+        # compiled or not, decode steps may attend from the pools in place: the attention kernel is
+        # an operator dynamo does not trace (`paged_attention.paged_decode_attention_op`)
+        in_place = self.kv.decode_kernel
         if in_place and self.max_width is not None and batch.width <= self.max_width:
             return self.max_width
         return width_bucket(batch.width, self.column_bucket // self.kv.block_size)
@@ -281,7 +280,7 @@ class GraphedDecoder:
             self.replays += 1
         else:
             with sdpa_kernel(self.sdpa_backends):
-                state.step(self.forward, self.kv, self.mask_for, self.in_place)
+                state.step(self.forward, self.kv, self.mask_for)
         self.rows_entered[batch.rows] += 1
         self.padded_rows += rows - batch.rows
         return state.logits[: batch.rows].clone()
@@ -310,7 +309,7 @@ class GraphedDecoder:
             )
         with torch.cuda.stream(side), sdpa_kernel(self.sdpa_backends):
             for _ in range(2):
-                state.step(self.forward, self.kv, self.mask_for, self.in_place)
+                state.step(self.forward, self.kv, self.mask_for)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self.graph_pool is None:
@@ -318,7 +317,7 @@ class GraphedDecoder:
         # thread-local: the residency's copies and the layer feed keep running on their own threads
         capture = torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local")
         with capture, sdpa_kernel(self.sdpa_backends):
-            state.step(self.forward, self.kv, self.mask_for, self.in_place)
+            state.step(self.forward, self.kv, self.mask_for)
         state.graph = graph
         state.generation = self.kv.generation
         self.captures += 1
