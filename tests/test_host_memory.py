@@ -63,10 +63,13 @@ def test_capped_runs_keep_host_allocations_inside_the_cap_and_give_the_uncapped_
 ):
     uncapped, expected = _run(policy, None, **extra)
     assert not uncapped.loaded.store.hi_mapped
+    served = {k: uncapped.metrics.snapshot()[k] for k in ("hits", "lo_runs", "misses", "promotions")}
     uncapped.close()
     llm, tokens = _run(policy, CAP, **extra)
     store = llm.loaded.store
     assert tokens == expected
+    assert {k: llm.metrics.snapshot()[k] for k in served} == served  # the same residency, step by step
+    assert "moetide-stager" not in store.mapped.reads_by_thread  # deterministic: staged at step boundaries
     assert store.hi_mapped and "hi" not in store.versions  # no copy of the checkpoint's hi versions
     assert host_samples and all(used <= CAP for *_, used in host_samples)
     held = sum(a.numel() for a in store.versions.values()) + (store.staged.nbytes if store.staged else 0)

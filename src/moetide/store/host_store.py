@@ -298,9 +298,8 @@ class HostExpertStore:
         share its weight statistics; the whole matrices would cost a large model tens of seconds of
         start-up); None when a version is not in host memory. Experts are dequantized
         `experts_per_batch` at a time."""
-        if any(p not in self.versions for p in (hot, cold)) or (
-            "hi" not in self.versions and not self.hi_mapped
-        ):
+        hi_held = "hi" in self.versions or self.hi_mapped  # (mapped: read from the map)
+        if not hi_held or any(p != "hi" and p not in self.versions for p in (hot, cold)):
             return None
         total = self.num_layers * self.num_experts
         gain = torch.zeros(total)
