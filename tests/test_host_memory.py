@@ -64,6 +64,8 @@ def test_capped_runs_keep_host_allocations_inside_the_cap_and_give_the_uncapped_
     uncapped, expected = _run(policy, None, **extra)
     assert not uncapped.loaded.store.hi_mapped
     served = {k: uncapped.metrics.snapshot()[k] for k in ("hits", "lo_runs", "misses", "promotions")}
+    needs = host_needs(uncapped.config, model_bytes(uncapped.config), "cpu")
+    assert uncapped.loaded.store.budget.peak_bytes == needs.full  # what `info` prints as the whole layout
     uncapped.close()
     llm, tokens = _run(policy, CAP, **extra)
     store = llm.loaded.store
