@@ -59,14 +59,8 @@ def _all_parsers(parser: argparse.ArgumentParser):
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
     """Options shared by every command that loads a model (mapped onto `EngineConfig`)."""
-    if model_positional:
-        p.add_argument(
-            "model", nargs="?", default=None, help="checkpoint directory (default: the embedded demo model)"
-        )
-    else:
-        p.add_argument(
-            "--model", default=None, help="checkpoint directory (default: the embedded demo model)"
-        )
+    where = {"help": "checkpoint directory (default: the embedded demo model)", "default": None}
+    p.add_argument(*(["model"] if model_positional else ["--model"]), **where, **({"nargs": "?"} if model_positional else {}))
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: CUDA when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
@@ -75,12 +69,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         help="hard cap on moetide's device memory, e.g. 6GiB, or NN%% (the fixed part + NN%% of all"
         " experts in hi precision)",
     )
-    p.add_argument(
-        "--cpu-memory",
-        default=None,
-        help="hard cap on moetide's host memory for expert versions, e.g. 24GiB (default: what the"
-        " machine can spare); below the model's experts, hi versions are read from the mapped checkpoint",
-    )
+    p.add_argument("--cpu-memory", default=None, help="hard cap on host memory for expert versions, e.g."
+                   " 24GiB (default: what the machine can spare; docs/memory.md)")  # fmt: skip
     p.add_argument("--policy", default="combined", choices=POLICIES, help="expert residency policy")
     p.add_argument(
         "--lo",
