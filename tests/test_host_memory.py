@@ -63,10 +63,15 @@ def test_capped_runs_keep_host_allocations_inside_the_cap_and_give_the_uncapped_
 ):
     uncapped, expected = _run(policy, None, **extra)
     assert not uncapped.loaded.store.hi_mapped
+    served = {k: uncapped.metrics.snapshot()[k] for k in ("hits", "lo_runs", "misses", "promotions")}
+    needs = host_needs(uncapped.config, model_bytes(uncapped.config), "cpu")
+    assert uncapped.loaded.store.budget.peak_bytes == needs.full  # what `info` prints as the whole layout
     uncapped.close()
     llm, tokens = _run(policy, CAP, **extra)
     store = llm.loaded.store
     assert tokens == expected
+    assert {k: llm.metrics.snapshot()[k] for k in served} == served  # the same residency, step by step
+    assert "moetide-stager" not in store.mapped.reads_by_thread  # deterministic: staged at step boundaries
     assert store.hi_mapped and "hi" not in store.versions  # no copy of the checkpoint's hi versions
     assert host_samples and all(used <= CAP for *_, used in host_samples)
     held = sum(a.numel() for a in store.versions.values()) + (store.staged.nbytes if store.staged else 0)
@@ -187,7 +192,8 @@ def test_prepare_under_a_cap_streams_the_experts_from_the_map_without_their_hi_c
 
     uncapped, capped = run("a"), run("b", CAP)
     hi_all = model_bytes(EngineConfig(model=str(demo_model_path()), device="cpu")).all_experts_hi_bytes
-    assert capped["peak"] - capped["base"] <= uncapped["peak"] - uncapped["base"] - hi_all // 2
+    # a third of the hi arena: the allocator keeps some freed quantizer temporaries (46-99 MB seen)
+    assert capped["peak"] - capped["base"] <= uncapped["peak"] - uncapped["base"] - hi_all // 3
     (a,), (b,) = (list((tmp_path / f).iterdir()) for f in "ab")
     from safetensors import safe_open
 

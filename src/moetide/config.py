@@ -5,6 +5,7 @@ The CLI and the Python API map their arguments onto these; errors say what to ch
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,17 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def typed_size(nbytes: int) -> str:
+    """A `--gpu-memory` value the user can type that is >= `nbytes`: whole MiB below 10 GiB, else GiB
+    with two decimals (rounded up, never down)."""
+    if nbytes < 10 << 30:
+        return f"{math.ceil(nbytes / (1 << 20))}MiB"
+    hundredths = math.ceil(nbytes / (1 << 30) * 100)
+    while parse_bytes(f"{hundredths / 100:.2f}GiB") < nbytes:
+        hundredths += 1
+    return f"{hundredths / 100:.2f}GiB"
 
 
 CUDA_GRAPHS = ("auto", "off")

@@ -158,6 +158,19 @@ def progress_bars(progress: bool, what: str) -> bool:
     return False
 
 
+def host_plan(config: EngineConfig, device) -> tuple[bool, object, str]:
+    """`(map_hi, the host BudgetTracker, the caps in words)`: the host cap checked before the load."""
+    from ..store.tracker import BudgetTracker
+    from .host_memory import check_host_budget, host_cap
+
+    map_hi = check_host_budget(config, device.type)
+    tracker = BudgetTracker(host_cap(config))
+    cap = "no cap" if config.gpu_memory_bytes is None else f"cap {format_bytes(config.gpu_memory_bytes)}"
+    if map_hi:
+        cap += f", host cap {format_bytes(tracker.total_bytes)}: hi read from the mapped checkpoint"
+    return map_hi, tracker, cap
+
+
 def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[LoadedModel, LLMEngine, object]:
     """Load the checkpoint and wire model, residency, runner and engine from one config.
 
@@ -167,8 +180,6 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
     from ..compute.fused_moe_config import moe_scratch_bytes
     from ..compute.runtime import check_lo_kernel
     from ..residency import build_residency
-    from ..residency.budget import BudgetTracker
-    from .host_memory import check_host_budget, host_cap
     from .memory import check_budget
 
     inspect_checkpoint(config.model_path)  # a bad path is reported before the tokenizer is looked for
@@ -176,11 +187,7 @@ def build_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Loaded
     device = resolve_device(config.device)
     check_lo_kernel(config.lo_kernel, device)  # before the weights load
     check_budget(config)
-    map_hi = check_host_budget(config, device.type)
-    host_budget = BudgetTracker(host_cap(config))
-    cap = "no cap" if config.gpu_memory_bytes is None else f"cap {format_bytes(config.gpu_memory_bytes)}"
-    if map_hi:
-        cap += f", host cap {format_bytes(host_budget.total_bytes)}: hi read from the mapped checkpoint"
+    map_hi, host_budget, cap = host_plan(config, device)
     what = f"loading {config.model_path.name} on {device} ({config.policy}, {cap})"
     progress = progress_bars(progress, what)
     loaded = load_model(

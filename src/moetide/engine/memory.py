@@ -16,12 +16,11 @@ Budgets can also be relative, the one way to name the same pressure on the demo 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import torch
 
-from ..config import EngineConfig, parse_bytes
+from ..config import EngineConfig, parse_bytes, typed_size
 from ..errors import BudgetError, ConfigError
 from ..residency.budget import FixedCosts, MemoryPlan, plan_memory
 
@@ -46,9 +45,9 @@ class ModelBytes:
 
 def model_bytes(config: EngineConfig) -> ModelBytes:
     """Fixed costs and expert sizes of `config`'s model on `config`'s device, without loading weights."""
+    from ..compute.fused_moe_config import moe_scratch_bytes
     from ..models.checkpoint import inspect_checkpoint
     from ..models.loader import build_empty_model, moe_blocks, resolve_device, resolve_dtype
-    from ..compute.fused_moe_config import moe_scratch_bytes
     from ..residency import MAX_PREFILL_TOKENS, fixed_costs
     from ..store import quant
 
@@ -147,17 +146,6 @@ def minimum_budget(config: EngineConfig, mb: ModelBytes) -> int | None:
         else:
             low = mid
     return high
-
-
-def typed_size(nbytes: int) -> str:
-    """A `--gpu-memory` value the user can type that is >= `nbytes`: whole MiB below 10 GiB, else GiB
-    with two decimals (rounded up, never down)."""
-    if nbytes < 10 << 30:
-        return f"{math.ceil(nbytes / (1 << 20))}MiB"
-    hundredths = math.ceil(nbytes / (1 << 30) * 100)
-    while parse_bytes(f"{hundredths / 100:.2f}GiB") < nbytes:
-        hundredths += 1
-    return f"{hundredths / 100:.2f}GiB"
 
 
 def check_budget(config: EngineConfig, mb: ModelBytes | None = None) -> None:

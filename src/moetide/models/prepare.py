@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import format_bytes, parse_bytes
+from ..config import format_bytes, parse_bytes, typed_size
 from ..errors import BudgetError, CheckpointError, ConfigError
 from ..progress import on_terminal
 from ..store.formats import precision_names
@@ -30,8 +30,8 @@ def prepare(
     `cpu_memory_bytes`: the host cap on expert versions (None: what the machine can spare); below
     every hi version + the largest lo version, the experts are read from the mapped checkpoint
     through the quantizer in batches inside the cap, and each lo version is freed once written."""
-    from ..engine.host_memory import machine_spare_bytes
-    from ..residency.budget import BudgetTracker
+    from ..store.host_ram import machine_spare_bytes
+    from ..store.tracker import BudgetTracker
     from .loader import load_weights
 
     cap = cpu_memory_bytes if cpu_memory_bytes is not None else machine_spare_bytes()
@@ -48,14 +48,23 @@ def prepare(
 def _check_cap(model_path, precisions, dtype: str, cap: int, given: bool) -> bool:
     """True when `cap` is below every hi version + the largest lo version (the experts are then read
     from the map); BudgetError below the largest lo version + one expert (one batch)."""
-    from ..config import EngineConfig
-    from ..engine.memory import model_bytes, typed_size
+    import torch
 
-    mb = model_bytes(EngineConfig(model=str(model_path), device="cpu", dtype=dtype))
-    largest = max(mb.slot_bytes(p) for p in precisions) * mb.num_experts_total
-    if cap >= mb.all_experts_hi_bytes + largest:
+    from ..store import quant
+    from .checkpoint import inspect_checkpoint
+    from .loader import resolve_dtype
+
+    info = inspect_checkpoint(model_path)
+    config, adapter = info.config, info.adapter
+    store_dtype = resolve_dtype(dtype, config, torch.device("cpu"))
+    inter, hidden = adapter.expert_intermediate(config), config.hidden_size
+    experts = adapter.num_experts(config) * len({k[0] for s in info.shards for n in s.tensors
+                                                 if (k := adapter.match_expert_key(n)) is not None})  # fmt: skip
+    hi = 3 * inter * hidden * torch.empty((), dtype=store_dtype).element_size()
+    largest = max(quant.nbytes_for(p, inter, hidden, store_dtype) for p in precisions) * experts
+    if cap >= experts * hi + largest:
         return False
-    minimum = largest + mb.hi_expert_bytes
+    minimum = largest + hi
     if cap < minimum:
         what = "--cpu-memory" if given else "what this machine can spare"
         raise BudgetError(

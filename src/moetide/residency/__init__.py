@@ -238,7 +238,10 @@ def stage_hi_within_cap(store: HostExpertStore, at_least: int) -> None:
             f"the host cap leaves room for {slots} staged hi experts beside the lo versions; this policy"
             f" needs {at_least} (one layer's top-k)"
         )
-    store.stage_hi(slots)
+    from ..store.staging import StagedHi
+
+    store.staged = StagedHi(store.mapped, store.shape, store.num_layers, store.num_experts, slots,
+                            pin_memory=store.pin_memory, budget=store.budget)  # fmt: skip
 
 
 def drop_host_versions(

@@ -37,8 +37,7 @@ def copy_source(store: HostExpertStore, precision: str, layer: int, expert: int,
     if src is not None:
         return src
     if precision == "hi" and store.hi_mapped:
-        staged = store.hi_source(layer, expert)
-        return staged if staged is not None else store.staged.stage_now(layer, expert)
+        return store.staged.stage_now(layer, expert)  # (a staged one at once, queued for no one)
     return store.buffer(layer, expert, precision)
 
 

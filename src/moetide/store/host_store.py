@@ -9,7 +9,7 @@ allocated (and, with CUDA, pinned) once, before any weight is read.
 
 Under a `--cpu-memory` cap too small for that arena, the store has no hi arena: the checkpoint is
 the bottom tier (`store.mapped`, read in place through a memory map) and a fixed number of hi
-versions are staged in host slots (`store.staging`, `stage_hi`). Every host allocation of expert
+versions are staged in host slots (`store.staging`). Every host allocation of expert
 versions (arenas, staged slots, a quantizer batch read from the map) is reserved against the
 store's `budget` first, and released when it goes.
 """
@@ -77,7 +77,7 @@ class HostExpertStore:
                  budget=None, mapped=None):  # fmt: skip
         """`budget`: a `residency.budget.BudgetTracker` of host bytes (None: no cap); `mapped`: the
         checkpoint's `MappedExperts`, to read hi versions from in place of a hi arena."""
-        from ..residency.budget import BudgetTracker
+        from .tracker import BudgetTracker
 
         self.num_layers = num_layers
         self.num_experts = num_experts
@@ -85,7 +85,7 @@ class HostExpertStore:
         self.pin_memory = pin_memory
         self.budget = budget if budget is not None else BudgetTracker(1 << 62)
         self.mapped = mapped
-        self.staged = None  # the `StagedHi` slots, once `stage_hi` made them (mapped stores only)
+        self.staged = None  # the `store.staging.StagedHi` slots of a mapped store, once made
         self.meta: dict[str, object] = {}
         self.versions: dict[str, torch.Tensor] = {}
         self._filled: torch.Tensor = torch.zeros(num_layers, num_experts, 3, dtype=torch.bool)
@@ -126,13 +126,6 @@ class HostExpertStore:
     def hi_mapped(self) -> bool:
         """The hi versions are read from the mapped checkpoint (no hi arena in host memory)."""
         return "hi" not in self.versions and self.mapped is not None
-
-    def stage_hi(self, slots: int) -> None:
-        """Make the host cache of `slots` staged hi versions (mapped stores; reserved in the budget)."""
-        from .staging import StagedHi
-
-        self.staged = StagedHi(self.mapped, self.shape, self.num_layers, self.num_experts, slots,
-                               pin_memory=self.pin_memory, budget=self.budget)  # fmt: skip
 
     def hi_source(self, layer: int, expert: int) -> torch.Tensor | None:
         """The host buffer `(nbytes,)` a hi copy of one expert reads: its row of the hi arena, or its
@@ -298,9 +291,8 @@ class HostExpertStore:
         share its weight statistics; the whole matrices would cost a large model tens of seconds of
         start-up); None when a version is not in host memory. Experts are dequantized
         `experts_per_batch` at a time."""
-        if any(p not in self.versions for p in (hot, cold)) or (
-            "hi" not in self.versions and not self.hi_mapped
-        ):
+        hi_held = "hi" in self.versions or self.hi_mapped  # (mapped: read from the map)
+        if not hi_held or any(p != "hi" and p not in self.versions for p in (hot, cold)):
             return None
         total = self.num_layers * self.num_experts
         gain = torch.zeros(total)
@@ -367,7 +359,7 @@ class HostExpertStore:
     def host_stats(self) -> dict:
         """Host-memory counters: staged-cache hits, disk reads (count, checkpoint bytes, seconds),
         staged bytes, the expert bytes held and their peak against the cap, and the process's RSS."""
-        from ..engine.host_memory import rss_bytes
+        from .host_ram import rss_bytes
 
         rss, hwm = rss_bytes()
         staged, mapped = self.staged, self.mapped

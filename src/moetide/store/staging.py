@@ -64,8 +64,9 @@ class StagedHi:
         return self.arena.numel()
 
     # -- the residency core's side -------------------------------------------------------------------
-    def get(self, layer: int, expert: int) -> torch.Tensor | None:
-        """The staged hi buffer `(nbytes,)` of one expert, or None (then it is queued for staging)."""
+    def get(self, layer: int, expert: int, queue: bool = True) -> torch.Tensor | None:
+        """The staged hi buffer `(nbytes,)` of one expert, held for a copy (`fence` or `unhold`
+        release it), or None: then it is queued for the stager (unless `queue` is False)."""
         row = layer * self.num_experts + expert
         with self._lock:
             slot = self._slot_of.get(row)
@@ -76,7 +77,7 @@ class StagedHi:
                     self._fences[slot] = _HELD
                 self.hits += 1
                 return self.arena[slot]
-            if row in self._pending:
+            if row in self._pending or not queue:
                 return None
             self._pending.add(row)
             self.requests += 1
@@ -101,7 +102,7 @@ class StagedHi:
         """Stage one expert on this thread (waiting for a fenced slot if every slot is fenced)."""
         row = layer * self.num_experts + expert
         while True:
-            buffer = self.get(layer, expert)
+            buffer = self.get(layer, expert, queue=False)
             if buffer is not None:
                 return buffer
             self._stage(row, wait=True)
