@@ -35,17 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         )
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: CUDA when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--gpu-memory",
-        default=None,
-        help=f"hard cap on moetide's device memory, e.g. 6GiB, or NN%%; {RELATIVE_BUDGET_HELP}",
-    )
-    p.add_argument(
-        "--cpu-memory",
-        default=None,
-        help="hard cap on moetide's host memory for expert versions, e.g. 24GiB (default: what the"
-        " machine can spare); below the model's experts, hi versions are read from the mapped checkpoint",
-    )
+    add_memory_args(p)
     p.add_argument("--policy", default="combined", choices=POLICIES, help="expert residency policy")
     p.add_argument(
         "--lo",
@@ -107,6 +97,21 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = Fals
         dest="prefix_caching",
         action="store_false",
         help="do not reuse the KV blocks of a request's longest cached prefix (default: reuse them)",
+    )
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    """The device and host memory caps (`EngineConfig.gpu_memory_bytes`, `cpu_memory_bytes`)."""
+    p.add_argument(
+        "--gpu-memory",
+        default=None,
+        help=f"hard cap on moetide's device memory, e.g. 6GiB, or NN%%; {RELATIVE_BUDGET_HELP}",
+    )
+    p.add_argument(
+        "--cpu-memory",
+        default=None,
+        help="hard cap on moetide's host memory for expert versions, e.g. 24GiB (default: what the"
+        " machine can spare); below the model's experts, hi versions are read from the mapped checkpoint",
     )
 
 

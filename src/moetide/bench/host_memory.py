@@ -21,18 +21,9 @@ from ..errors import ConfigError
 def available_host_bytes() -> int | None:
     """Memory the kernel can give a new allocation without swapping (MemAvailable), or None where
     the machine does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-    except ModuleNotFoundError:
-        return None
-    return int(psutil.virtual_memory().available)
+    from ..store.host_ram import available_bytes
+
+    return available_bytes()
 
 
 def parameter_counts(config) -> tuple[int, int]:

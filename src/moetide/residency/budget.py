@@ -203,23 +203,47 @@ def plan_memory(
         hi = min(num_experts_total, left // hi_slot_bytes)
         return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, hi, 0)
     if mode == "lo+hi":
-        lo = min(num_experts_total, (left - min_hi_slots * hi_slot_bytes) // lo_slot_bytes)
-        if misses_run_lo and lo < num_experts_total:
-            need = num_experts_total * lo_slot_bytes + need_min
-            raise BudgetError(
-                f"--gpu-memory {format_bytes(budget_bytes)} is too small: a miss runs the expert's resident"
-                f" {lo_precision or 'lo'} version (--on-miss lo), so {fixed_part} + {num_experts_total} lo"
-                f" experts and {min_hi_slots} hi experts {format_bytes(need)} do not fit"
-            )
-        tier_bytes = (hi_slot_bytes, *mid_slot_bytes)
-        room = left - lo * lo_slot_bytes
-        if upper_slots is None:
-            upper = split_ladder(room, tier_bytes, num_experts_total, min_hi_slots)
-        else:
-            upper = _given_upper_slots(upper_slots, tier_bytes, room, fixed_part, budget_bytes)
-        mids = tuple(mid_slot_bytes), tuple(upper[1:])
-        return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, upper[0], lo, *mids)
+        return _plan_lo_hi(budget_bytes, fixed, left, need_min, fixed_part, num_experts_total=num_experts_total,
+                           hi_slot_bytes=hi_slot_bytes, lo_slot_bytes=lo_slot_bytes, min_hi_slots=min_hi_slots,
+                           lo_precision=lo_precision, mid_slot_bytes=mid_slot_bytes, upper_slots=upper_slots,
+                           misses_run_lo=misses_run_lo)  # fmt: skip
     raise ValueError(f"unknown memory mode {mode!r}")
+
+
+def _plan_lo_hi(
+    budget_bytes: int,
+    fixed: FixedCosts,
+    left: int,
+    need_min: int,
+    fixed_part: str,
+    *,
+    num_experts_total: int,
+    hi_slot_bytes: int,
+    lo_slot_bytes: int,
+    min_hi_slots: int,
+    lo_precision: str | None,
+    mid_slot_bytes: tuple[int, ...],
+    upper_slots: tuple[int, ...] | None,
+    misses_run_lo: bool,
+) -> MemoryPlan:
+    """`plan_memory`'s "lo+hi" mode: as many lo slots as fit beside `min_hi_slots` hi slots (every
+    expert at most), the room left over split over hi and a ladder's middle tiers."""
+    lo = min(num_experts_total, (left - min_hi_slots * hi_slot_bytes) // lo_slot_bytes)
+    if misses_run_lo and lo < num_experts_total:
+        need = num_experts_total * lo_slot_bytes + need_min
+        raise BudgetError(
+            f"--gpu-memory {format_bytes(budget_bytes)} is too small: a miss runs the expert's resident"
+            f" {lo_precision or 'lo'} version (--on-miss lo), so {fixed_part} + {num_experts_total} lo"
+            f" experts and {min_hi_slots} hi experts {format_bytes(need)} do not fit"
+        )
+    tier_bytes = (hi_slot_bytes, *mid_slot_bytes)
+    room = left - lo * lo_slot_bytes
+    if upper_slots is None:
+        upper = split_ladder(room, tier_bytes, num_experts_total, min_hi_slots)
+    else:
+        upper = _given_upper_slots(upper_slots, tier_bytes, room, fixed_part, budget_bytes)
+    mids = tuple(mid_slot_bytes), tuple(upper[1:])
+    return MemoryPlan(budget_bytes, fixed, hi_slot_bytes, lo_slot_bytes, upper[0], lo, *mids)
 
 
 def _given_upper_slots(upper_slots, tier_bytes, room: int, fixed_part: str, budget_bytes: int) -> list[int]:

@@ -18,6 +18,12 @@ def _meminfo() -> dict[str, int]:
         return {}
 
 
+def available_bytes() -> int | None:
+    """MemAvailable: what the kernel can give a new allocation without swapping (None where the
+    machine does not say)."""
+    return _meminfo().get("MemAvailable")
+
+
 def machine_spare_bytes() -> int:
     """The default `--cpu-memory`: MemAvailable less max(2 GiB, 10 % of MemTotal), at least 0."""
     info = _meminfo()
