@@ -137,7 +137,7 @@ def test_dynamic_policies_decode_from_fixed_buffers():
     """Every policy reads the device table: its steps are sync-free and run from fixed buffers (the
     observers write device buffers, read a step later), with the same tokens as the dynamic path
     (hi-cache experts are the checkpoint's weights, wherever they are read from)."""
-    llm = moetide.LLM(device="cpu", policy="finemoe", gpu_memory="0.5GiB", searcher="thread")
+    llm = moetide.LLM(device="cpu", policy="finemoe", gpu_memory="25%", searcher="thread")
     try:
         assert llm.loaded.runtime.decode_is_sync_free(1)
         want = _generate(llm, None)
@@ -717,7 +717,7 @@ def test_after_the_warm_up_no_prompt_length_compiles_a_kernel():
     joining a decode, then compile nothing (a compile stalled every client of a wave once)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    llm = moetide.LLM(device="cuda", policy="combined", gpu_memory="1GiB", dtype="bfloat16", max_num_seqs=8)
+    llm = moetide.LLM(device="cuda", policy="combined", gpu_memory="25%", dtype="bfloat16", max_num_seqs=8)
     try:
         assert llm.engine.warm_up(progress=False) > 0 and not llm.engine.has_unfinished()
         warmed = _compiled_fused_kernels()

@@ -323,7 +323,7 @@ def test_observations_published_after_the_runtimes_sync_equal_the_eager_ones(pol
     step layer by layer or whole (`observe_step`: one softmax and one cast for every layer)."""
     import moetide
 
-    budget = "0.5GiB" if policy == "combined" else None  # combined: host syncs; no-offload: none
+    budget = "25%" if policy == "combined" else None  # combined: host syncs; no-offload: none
     llm = moetide.LLM(device=device, policy=policy, gpu_memory=budget)
     try:
         if llm.loaded.policy_hooks is not None:
@@ -359,7 +359,7 @@ def test_switched_off_hooks_show_the_policies_nothing_and_count_their_time():
     again and the forward thread's time in the hooks is counted."""
     import moetide
 
-    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="0.5GiB")
+    llm = moetide.LLM(device="cpu", policy="combined", gpu_memory="25%")
     try:
         llm.loaded.policy_hooks.remove()
         params = moetide.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -386,7 +386,7 @@ def test_switched_off_hooks_show_the_policies_nothing_and_count_their_time():
 def test_the_engine_evicts_by_the_policys_rule_and_sees_the_gate_probabilities(policy, eviction):
     import moetide
 
-    llm = moetide.LLM(device="cpu", policy=policy, gpu_memory="0.5GiB")
+    llm = moetide.LLM(device="cpu", policy=policy, gpu_memory="25%")
     try:
         residency = llm.loaded.runtime.residency
         assert residency.options.eviction == eviction
@@ -404,7 +404,7 @@ def test_the_searcher_process_starts_with_the_engine_and_ends_with_it():
     online inserts brought back."""
     import moetide
 
-    llm = moetide.LLM(device="cpu", policy="finemoe", gpu_memory="0.5GiB")
+    llm = moetide.LLM(device="cpu", policy="finemoe", gpu_memory="25%")
     policy = llm.loaded.policy
     process = policy._process
     assert process is not None and process.alive
@@ -431,7 +431,7 @@ def test_the_searcher_process_starts_with_the_engine_and_ends_with_it():
 def test_a_searcher_process_that_dies_leaves_the_engine_serving_and_says_so():
     import moetide
 
-    llm = moetide.LLM(device="cpu", policy="finemoe", gpu_memory="0.5GiB")
+    llm = moetide.LLM(device="cpu", policy="finemoe", gpu_memory="25%")
     try:
         params = moetide.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         want = llm.generate(["def add(a, b):"], params)[0].token_ids
