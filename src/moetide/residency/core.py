@@ -40,7 +40,7 @@ from ..store.host_store import HostExpertStore, hi_views
 from .accounting import account_step
 from .budget import BudgetTracker, MemoryPlan
 from .cache import VersionCache
-from .eviction import ExpertStats, eviction_rule
+from .eviction import ExpertStats, cold_victims, eviction_rule
 from .handles import DeviceVersion, ExpertHandle
 from .host_source import copy_source, fence, staged_source, unhold
 from .metrics import ExpertMetrics
@@ -371,11 +371,11 @@ class ResidencyManager:
         # a slot that policy does not want (free, or a version whose target is another tier)
         beside = self._lo_hi and h.target != pool
         if in_step is not None:
-            slot = self._take_slot_in_step(pool, self._cold_victims(pool, in_step(pool), beside))
+            slot = self._take_slot_in_step(pool, cold_victims(pool, in_step(pool), beside))
         else:
             victims = victims_for(pool) if victims_for is not None else None
             if victims is not None:
-                victims = self._cold_victims(pool, victims, beside)
+                victims = cold_victims(pool, victims, beside)
             slot = self.cache.take_slot(
                 pool, self._step_marker, may_evict=True, next_victim=victims, cold_only=beside
             )
@@ -406,19 +406,7 @@ class ResidencyManager:
     def _parking_victims(self, pool: str):
         """The versions `InStepReserve.park` may take out of the next step's table (lo+hi: never one
         of the precision policy's hot set)."""
-        return self._cold_victims(pool, self.cache.victim_queue(pool), self._lo_hi)
-
-    def _cold_victims(self, pool: str, next_victim, cold_only: bool):
-        """`next_victim`, stopped at the first version the precision policy wants in `pool` where
-        `cold_only` (the candidates come cold first: after a warm one there is no cold one left)."""
-        if not cold_only or next_victim is None:
-            return next_victim
-
-        def cold_victim():
-            h = next_victim()
-            return h if h is None or h.target != pool else None
-
-        return cold_victim
+        return cold_victims(pool, self.cache.victim_queue(pool), self._lo_hi)
 
     def _take_slot_in_step(self, pool: str, next_victim) -> int | None:
         """Within a step: a free slot of `pool` with its bytes reserved, else the slot of a parked

@@ -102,3 +102,17 @@ class ExpertStats:
 
     def is_protected(self, layer: int, expert: int) -> bool:
         return self.protected[layer, expert] != UNPROTECTED
+
+
+def cold_victims(pool: str, next_victim, cold_only: bool):
+    """`next_victim` (a callable giving the next eviction candidate of `pool`, or None), stopped at
+    the first version the precision policy wants in `pool` where `cold_only` (the candidates come
+    cold first: after a warm one there is no cold one left)."""
+    if not cold_only or next_victim is None:
+        return next_victim
+
+    def cold_victim():
+        h = next_victim()
+        return h if h is None or h.target != pool else None
+
+    return cold_victim
