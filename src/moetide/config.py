@@ -13,6 +13,7 @@ from pathlib import Path
 from .errors import ConfigError
 from .policies.registry import POLICY_NAMES, policy_spec
 from .store.formats import FORMATS, LOW_BIT_FORMATS, ladder_name, parse_ladder, precision_names, user_name
+from .units import format_bytes  # noqa: F401 - re-exported
 
 _UNITS = {
     "": 1,
@@ -49,15 +50,6 @@ def parse_bytes(text: str | float | None) -> int | None:
     if m is None or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"cannot read memory size {text!r}; write it like 6GiB, 512MiB or 8GB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: 1536 -> '1.50 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def typed_size(nbytes: int) -> str:

@@ -94,8 +94,12 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     row's temperature applied and the tokens outside its top-k and its top-p nucleus at 0.
 
     The most likely token is never masked, whatever `top_k` / `top_p` are."""
+    return _probs(logits, *_row_values(params, logits.shape[-1]))
+
+
+def _probs(logits: torch.Tensor, temps: list[float], ks: list[int], ps: list[float]) -> torch.Tensor:
+    """`filtered_probs` from the rows' values as `_row_values` gives them."""
     vocab = logits.shape[-1]
-    temps, ks, ps = _row_values(params, vocab)
     dev = logits.device
     temp = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
     # shifted so the maximum is 0: dividing by a tiny temperature gives -inf at worst, never inf or NaN
@@ -133,11 +137,12 @@ def sample_next_tokens(
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     rows: list[int] = []
+    values: list[tuple[list[float], list[int], list[float]]] = []
     for i, p in enumerate(params):
         if p.greedy:
             continue
         try:
-            _row_values([p], logits.shape[-1])
+            values.append(_row_values([p], logits.shape[-1]))
         except Exception as exc:
             if errors is None:
                 raise
@@ -150,6 +155,7 @@ def sample_next_tokens(
     index = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
     seeds = torch.tensor([keys[i][0] for i in rows], dtype=torch.int64).to(dev, non_blocking=True)
     draws = torch.tensor([keys[i][1] for i in rows], dtype=torch.int64).to(dev, non_blocking=True)
-    probs = filtered_probs(logits.index_select(0, index), [params[i] for i in rows])
+    temps, ks, ps = ([v[j][0] for v in values] for j in range(3))
+    probs = _probs(logits.index_select(0, index), temps, ks, ps)
     q = -torch.log(uniform_noise(seeds, draws, logits.shape[-1]))  # Exp(1), never 0
     return greedy.index_copy(0, index, (probs / q).argmax(dim=-1))

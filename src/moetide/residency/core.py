@@ -359,12 +359,11 @@ class ResidencyManager:
             if self.reserve.unpark(pool, (layer, expert)) and in_step is not None:
                 self._republish(h, pool)
             return False
-        src = staged_source(self.store, self.precision_of(pool), layer, expert, self.options.deterministic)
-        if src is False:  # its hi version is only on disk: the stager reads it, a later request copies it
+        if not fill and self.queue.link_full():
             self.metrics.bump("deferred")
             return False
-        if not fill and self.queue.link_full():
-            unhold(self.store, src)
+        src = staged_source(self.store, self.precision_of(pool), layer, expert, self.options.deterministic)
+        if src is False:  # its hi version is only on disk: the stager reads it, a later request copies it
             self.metrics.bump("deferred")
             return False
         # a prediction beside the precision policy's choice (lo+hi: into hi, its target lo) takes only

@@ -72,15 +72,12 @@ class _ExpertCollector:
             ("moetide_expert_evictions", "Experts evicted from the device", "evictions"),
             ("moetide_expert_prefetches_issued", "Expert prefetches issued", "prefetches_issued"),
             ("moetide_expert_prefetches_used", "Prefetched experts that were then used", "prefetches_used"),
-        )
-        yield from _families(CounterMetricFamily, counters, snap)
-        host_counters = (
             ("moetide_host_cache_hits", "hi copies served from the staged host cache", "host_cache_hits"),
             ("moetide_disk_reads", "Experts read from the mapped checkpoint", "disk_reads"),
             ("moetide_disk_read_bytes", "Checkpoint bytes read from the map", "disk_read_bytes"),
             ("moetide_disk_read_seconds", "Seconds spent reading experts from the map", "disk_read_s"),
         )
-        yield from _families(CounterMetricFamily, host_counters, snap)
+        yield from _families(CounterMetricFamily, counters, snap)
         host_gauges = (
             ("moetide_host_staged_bytes", "Host bytes of the staged hi cache", "host_staged_bytes"),
             ("moetide_host_expert_bytes", "Host bytes held for expert versions", "host_expert_bytes"),

@@ -6,15 +6,7 @@ from __future__ import annotations
 import threading
 
 from ..errors import BudgetError
-
-
-def format_bytes(n: float) -> str:
-    """As `config.format_bytes` (binary units, two decimals), which this package may not import."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+from ..units import format_bytes
 
 
 class BudgetTracker:
