@@ -36,21 +36,14 @@ class HostNeeds:
     kept: tuple[str, ...]  # the low-bit versions it keeps of every expert
 
 
-def _auto_lo(config: EngineConfig, mb: ModelBytes, mode: str) -> str:
-    """The lo precision "auto" resolves to (`residency.lo_precision_for`, from the model's sizes)."""
-    from ..residency import AUTO_LO_MIN_HI_SHARE
-    from ..store import quant
+def _auto_lo(config: EngineConfig, mb: ModelBytes) -> str:
+    """The lo precision "auto" resolves to, from the model's sizes (`residency.lo_precision_for`)."""
+    from ..residency import lo_precision_of_sizes
 
-    candidates = list(quant.LOW_BIT_FORMATS)
-    if config.hi_precision != "hi" and mode == "lo+hi":
-        return candidates[-1]
     if config.gpu_memory_bytes is None:
-        return candidates[0]
+        return lo_precision_of_sizes(config, None, None)
     room = config.gpu_memory_bytes - mb.fixed_at(config.gpu_memory_bytes).total
-    for precision in candidates[:-1]:
-        if mb.num_experts_total * mb.slot_bytes(precision) <= (1 - AUTO_LO_MIN_HI_SHARE) * room:
-            return precision
-    return candidates[-1]
+    return lo_precision_of_sizes(config, (mb.num_experts_total, mb.slot_bytes), room)
 
 
 def host_needs(config: EngineConfig, mb: ModelBytes, device_type: str) -> HostNeeds:
@@ -64,7 +57,7 @@ def host_needs(config: EngineConfig, mb: ModelBytes, device_type: str) -> HostNe
     kept: list[str] = []
     if spec.needs_lo:
         lo = spec.lo_precision or config.lo_precision
-        kept.append(_auto_lo(config, mb, mode) if lo == "auto" else lo)
+        kept.append(_auto_lo(config, mb) if lo == "auto" else lo)
     if mode == "lo+hi":
         kept += [p for p in (config.hi_precision, *config.mid_precisions) if p != "hi" and p not in kept]
     lo_bytes = sum(n * mb.slot_bytes(p) for p in kept)

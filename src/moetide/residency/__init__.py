@@ -42,21 +42,31 @@ def lo_precision_for(
     takes the narrowest format below them."""
     from ..store import quant
 
+    if store is None:
+        return lo_precision_of_sizes(config, None, expert_room)
+    shape = store.shape
+    every = store.num_layers * store.num_experts
+    return lo_precision_of_sizes(
+        config, (every, lambda p: quant.nbytes_for(p, shape.intermediate, shape.hidden, shape.dtype)), expert_room
+    )
+
+
+def lo_precision_of_sizes(config: EngineConfig, sizes, expert_room: int | None) -> str:
+    """`lo_precision_for` from the model's sizes: `sizes` = (experts in all layers, precision -> bytes
+    of one expert's version), or None where they are not known (auto then takes the widest)."""
+    from ..store import quant
+
     fixed = policy_spec(config.policy).lo_precision
     if fixed or config.lo_precision != "auto":
         return fixed or config.lo_precision
     candidates = list(quant.LOW_BIT_FORMATS)  # most bytes first
     if config.hi_precision != "hi" and policy_spec(config.policy).memory_mode == "lo+hi":
         return candidates[-1]
-    if store is None or expert_room is None:
+    if sizes is None or expert_room is None:
         return candidates[0]
-    shape = store.shape
+    every, slot_bytes = sizes
     for precision in candidates[:-1]:
-        every = store.num_layers * store.num_experts
-        if (
-            every * quant.nbytes_for(precision, shape.intermediate, shape.hidden, shape.dtype)
-            <= (1 - AUTO_LO_MIN_HI_SHARE) * expert_room
-        ):
+        if every * slot_bytes(precision) <= (1 - AUTO_LO_MIN_HI_SHARE) * expert_room:
             return precision
     return candidates[-1]
 
